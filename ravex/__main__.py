@@ -1,0 +1,3 @@
+from ravex.cli import main
+
+main()

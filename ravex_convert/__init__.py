@@ -1,0 +1,42 @@
+"""Ravex's conversion layer: format detection, the checkpoint model, conversion
+and verification, as a Python API first (the ``ravex`` command only wraps it).
+
+Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .detect import Detection, detect, inspect
+from .errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    LayoutMismatchError,
+    NotFoundError,
+    RavexError,
+    UnknownFormatError,
+    UnsafeCheckpointError,
+)
+from .info import CheckpointInfo, TensorInfo
+
+try:
+    __version__ = version("ravex")
+except PackageNotFoundError:  # running from a source tree without an install
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "__version__",
+    "detect",
+    "inspect",
+    "Detection",
+    "CheckpointInfo",
+    "TensorInfo",
+    "RavexError",
+    "NotFoundError",
+    "UnknownFormatError",
+    "UnsafeCheckpointError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "LayoutMismatchError",
+]

@@ -1,0 +1,222 @@
+"""DCP: PyTorch Distributed Checkpoint (what FSDP2 and torchtitan write).
+
+A directory with ``.metadata`` (a pickled ``Metadata``: per key the global
+size, dtype and chunks; ``storage_data`` maps (key, chunk offset) to a byte
+range of a ``__<rank>_<n>.distcp`` file) and the data files. Every tensor item
+in a data file is a complete torch.save archive; we read ``.metadata`` with
+the restricted unpickler, never torch's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._torchzip import open_archive
+from .._unpickle import DType, Record, TensorRef, restricted_loads
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
+
+__all__ = ["METADATA", "sniff", "describe", "read_metadata", "DcpMetadata", "DcpTensor", "DcpItem"]
+
+METADATA = ".metadata"
+_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+@dataclass
+class DcpItem:
+    """One stored piece of a key: where its bytes are."""
+
+    offsets: tuple[int, ...]  # chunk offsets in the global tensor (() for non-tensors)
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass
+class DcpTensor:
+    key: str
+    path: tuple[str, ...]  # the real nesting, e.g. ("optim", "state", "embed.weight", "exp_avg")
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]  # (offsets, sizes)
+
+
+@dataclass
+class DcpMetadata:
+    tensors: dict[str, DcpTensor]
+    objects: dict[str, tuple[str, ...]]  # non-tensor keys and their nesting
+    items: dict[tuple[str, tuple[int, ...]], DcpItem]
+    has_strides: bool  # written by a torch whose TensorProperties carry strides (2.15+)
+
+
+def sniff(path: Path) -> list[str] | None:
+    if path.is_file() and path.name == METADATA:
+        return [f"{path.name} is DCP's metadata file"]
+    if path.is_dir() and (path / METADATA).is_file():
+        n = sum(1 for p in path.iterdir() if _DATA_FILE.match(p.name))
+        return [f"found {METADATA} and {n} .distcp data file(s)"]
+    return None
+
+
+def _field(rec: Any, name: str, position: int | None = None) -> Any:
+    if isinstance(rec, Record):
+        if isinstance(rec.state, dict) and name in rec.state:
+            return rec.state[name]
+        if isinstance(rec.state, tuple) and len(rec.state) == 2 and isinstance(rec.state[1], dict) and name in rec.state[1]:
+            return rec.state[1][name]  # (dict, slots) state of a slotted dataclass
+        if position is not None and isinstance(rec.state, tuple) and position < len(rec.state):
+            return rec.state[position]
+        if position is not None and position < len(rec.args):
+            return rec.args[position]
+    raise KeyError(name)
+
+
+def read_metadata(root: Path) -> DcpMetadata:
+    meta_path = root / METADATA
+    try:
+        data = meta_path.read_bytes()
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{meta_path}: cannot be read ({exc.strerror})", path=meta_path) from None
+    meta = restricted_loads(data, meta_path)
+    bad = CorruptCheckpointError(
+        f"{meta_path}: not a DCP Metadata object (the file is damaged or was written by something else)",
+        hint="copy .metadata again from where the run saved it; it is written last, so a partial copy lacks it",
+        path=meta_path,
+    )
+    if not isinstance(meta, Record) or not meta.cls.endswith(".Metadata"):
+        raise bad
+    try:
+        sd_meta = _field(meta, "state_dict_metadata", 0)
+        planner = _field(meta, "planner_data", 1) if _has(meta, "planner_data") else None
+        storage = _field(meta, "storage_data", 2)
+    except KeyError:
+        raise bad from None
+    if not isinstance(sd_meta, dict) or not isinstance(storage, dict):
+        raise bad
+    planner = planner if isinstance(planner, dict) else {}
+    tensors: dict[str, DcpTensor] = {}
+    objects: dict[str, tuple[str, ...]] = {}
+    has_strides = False
+    try:
+        for key, m in sd_meta.items():
+            nesting = tuple(str(p) for p in planner.get(key, (key,)))
+            if isinstance(m, Record) and m.cls.endswith("TensorStorageMetadata"):
+                props = _field(m, "properties", 0)
+                dtype = _field(props, "dtype", 0)
+                if isinstance(props.state, tuple) and len(props.state) >= 6:
+                    has_strides = True
+                shape = tuple(int(s) for s in _field(m, "size", 1))
+                chunks = [
+                    (tuple(int(o) for o in _field(c, "offsets", 0)), tuple(int(s) for s in _field(c, "sizes", 1)))
+                    for c in _field(m, "chunks", 2)
+                ]
+                tensors[key] = DcpTensor(key, nesting, shape, str(dtype) if isinstance(dtype, DType) else str(dtype), chunks)
+            else:
+                objects[key] = nesting
+        items: dict[tuple[str, tuple[int, ...]], DcpItem] = {}
+        for idx, sinfo in storage.items():
+            fqn = str(_field(idx, "fqn", 0))
+            offs = _field(idx, "offset", 1) if _has(idx, "offset") else None
+            offsets = tuple(int(o) for o in offs) if offs is not None else ()
+            items[(fqn, offsets)] = DcpItem(offsets, str(_field(sinfo, "relative_path", 0)), int(_field(sinfo, "offset", 1)), int(_field(sinfo, "length", 2)))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise bad from None
+    return DcpMetadata(tensors, objects, items, has_strides)
+
+
+def _has(rec: Record, name: str) -> bool:
+    try:
+        _field(rec, name)
+        return True
+    except KeyError:
+        return False
+
+
+def _check_files(root: Path, meta: DcpMetadata) -> list[FileInfo]:
+    needed: dict[str, int] = {}
+    for item in meta.items.values():
+        needed[item.file] = max(needed.get(item.file, 0), item.offset + item.length)
+    files = [FileInfo(METADATA, (root / METADATA).stat().st_size, "metadata")]
+    for name in sorted(needed):
+        p = root / name
+        if not p.is_file():
+            raise IncompleteCheckpointError(
+                f"{root}: .metadata names data file '{name}' but it is missing",
+                hint="copy every __<rank>_<n>.distcp file that the save wrote (one or more per rank)",
+                path=p,
+            )
+        size = p.stat().st_size
+        if size < needed[name]:
+            raise CorruptCheckpointError(
+                f"{p}: the file is {size} bytes but .metadata places data up to byte {needed[name]}",
+                hint="the data file is truncated; copy it again",
+                path=p,
+            )
+        m = _DATA_FILE.match(name)
+        files.append(FileInfo(name, size, "data", int(m.group(1)) if m else None))
+    return files
+
+
+def _kind(t: DcpTensor) -> str:
+    if t.path and t.path[0] in ("optim", "optimizer"):
+        return "optim"
+    return "param" if t.path and t.path[0] == "model" or len(t.path) == 1 else "other"
+
+
+def _display_name(t: DcpTensor) -> str:
+    p = t.path
+    if p and p[0] in ("optim", "optimizer") and len(p) == 4 and p[1] == "state":
+        return f"optim.{p[3]}/{p[2]}"
+    if p and p[0] == "model" and len(p) == 2:
+        return p[1]
+    return "/".join(p)
+
+
+def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
+    root = path.parent if path.is_file() else path
+    meta = read_metadata(root)
+    sharded = any(len(t.chunks) > 1 for t in meta.tensors.values())
+    info = CheckpointInfo("dcp", "sharded" if sharded else "unsharded", str(root), reasons=reasons)
+    info.files = _check_files(root, meta)
+    ranks = {f.rank for f in info.files if f.rank is not None}
+    info.world_size = max(ranks) + 1 if ranks else None
+    if ranks:
+        info.reasons.append(f"world size {info.world_size} inferred from data file names (__<rank>_<n>.distcp)")
+    state_names: list[str] = []
+    for t in meta.tensors.values():
+        kind = _kind(t)
+        info.tensors.append(TensorInfo(_display_name(t), t.shape, t.dtype, kind))
+        if kind == "optim" and len(t.path) == 4 and t.path[3] not in state_names:
+            state_names.append(t.path[3])
+    has_optim = bool(state_names) or any(p and p[0] in ("optim", "optimizer") for p in meta.objects.values())
+    if has_optim:
+        # get_state_dict flattens param groups per parameter name, so the number
+        # of groups is not visible without reading the items: left unknown.
+        kind = "Adam" if {"exp_avg", "exp_avg_sq"} <= set(state_names) else "unknown"
+        info.optimizer = OptimizerInfo(kind, state_names, None)
+    info.step = _read_step(root, meta)
+    info.extra["metadata_form"] = "torch>=2.15 (TensorProperties with strides)" if meta.has_strides else "torch<2.15"
+    return info
+
+
+def _read_step(root: Path, meta: DcpMetadata) -> int | None:
+    """The optimizer's step, read from the first parameter's ``step`` item."""
+    for t in meta.tensors.values():
+        if len(t.path) == 4 and t.path[0] in ("optim", "optimizer") and t.path[3] == "step" and t.shape in ((), (1,)):
+            item = meta.items.get((t.key, tuple(0 for _ in t.shape)))
+            if item is None:
+                return None
+            archive = open_archive(root / item.file, item.offset, item.length)
+            if isinstance(archive.root, TensorRef):
+                return int(archive.read_scalar(archive.root))
+    for key, nesting in meta.objects.items():
+        if nesting[-1] in ("step", "global_step"):
+            item = meta.items.get((key, ()))
+            if item is not None:
+                value = open_archive(root / item.file, item.offset, item.length).root
+                if isinstance(value, int):
+                    return value
+    return None

@@ -1,0 +1,136 @@
+"""The native Ravex store (spec: docs/format.md, version 1).
+
+This module holds what detection and inspection need: recognising a store or
+one of its checkpoints, reading the manifest, resolving ``-1`` to the newest
+complete checkpoint, and summarising a checkpoint's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
+from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
+
+__all__ = ["STORE_MARKER", "MANIFEST", "CHECKPOINT", "FORMAT_VERSION", "sniff", "describe", "read_manifest", "resolve"]
+
+STORE_MARKER = "ravex-store.json"
+MANIFEST = "manifest.json"
+CHECKPOINT = "checkpoint.json"
+FORMAT_VERSION = 1
+
+
+def sniff(path: Path) -> list[str] | None:
+    if path.is_dir() and (path / STORE_MARKER).is_file():
+        return [f"found {STORE_MARKER} (a Ravex store)"]
+    if path.is_dir() and (path / CHECKPOINT).is_file():
+        return [f"found {CHECKPOINT} (one checkpoint of a Ravex store)"]
+    if path.is_file() and path.name in (STORE_MARKER, MANIFEST, CHECKPOINT):
+        return [f"{path.name} is a Ravex store file"]
+    return None
+
+
+def _load_json(path: Path, expected_format: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path}: missing", hint="the store is incomplete; copy the whole store directory", path=path) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path}: not valid JSON ({exc})", hint="the file is damaged; restore it from a copy of the store", path=path) from None
+    if not isinstance(doc, dict) or doc.get("format") != expected_format:
+        raise CorruptCheckpointError(f"{path}: not a {expected_format} document (its 'format' field is {doc.get('format') if isinstance(doc, dict) else None!r})", path=path)
+    version = doc.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise CorruptCheckpointError(f"{path}: format_version is missing or invalid ({version!r})", path=path)
+    if version > FORMAT_VERSION:
+        raise RavexError(
+            f"{path}: written in Ravex store format version {version}; this Ravex reads up to version {FORMAT_VERSION}",
+            hint="upgrade Ravex (pip install -U ravex) to read this store",
+            path=path,
+        )
+    return doc
+
+
+def read_manifest(store: Path) -> dict[str, Any]:
+    _load_json(store / STORE_MARKER, "ravex-store")
+    manifest = _load_json(store / MANIFEST, "ravex-store")
+    if not isinstance(manifest.get("checkpoints"), list):
+        raise CorruptCheckpointError(f"{store / MANIFEST}: has no 'checkpoints' list", path=store / MANIFEST)
+    return manifest
+
+
+def resolve(store: Path, index: int = -1) -> tuple[dict[str, Any], Path]:
+    """The manifest entry and directory of checkpoint ``index`` (negative: from the newest complete one)."""
+    manifest = read_manifest(store)
+    complete = [e for e in manifest["checkpoints"] if e.get("status") == "complete" and (store / str(e.get("dir", "")) / CHECKPOINT).is_file()]
+    if not complete:
+        raise IncompleteCheckpointError(
+            f"{store}: the store holds no complete checkpoint",
+            hint="a run that was killed before its first checkpoint committed leaves an empty store; start the run again",
+            path=store,
+        )
+    if index < 0:
+        if -index > len(complete):
+            raise RavexError(f"{store}: index {index} asked for, but the store holds {len(complete)} complete checkpoint(s)", hint="use -1 for the newest", path=store)
+        entry = complete[index]
+    else:
+        found = [e for e in complete if e.get("index") == index]
+        if not found:
+            have = ", ".join(str(e.get("index")) for e in complete)
+            raise RavexError(f"{store}: no complete checkpoint with index {index} (complete ones: {have})", hint="run `ravex status` on the store to list them", path=store)
+        entry = found[0]
+    return entry, store / str(entry["dir"])
+
+
+def _kind(name: str) -> str:
+    if name.startswith("optim/"):
+        return "optim"
+    return "param" if name.startswith("model/") else "other"
+
+
+def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
+    if path.is_file():
+        path = path.parent
+    if (path / STORE_MARKER).is_file():
+        store = path
+        manifest = read_manifest(store)
+        entry, ckpt_dir = resolve(store, index)
+        variant = "store"
+    else:
+        store, ckpt_dir, manifest, entry = path.parent.parent, path, None, None
+        variant = "checkpoint"
+    doc = _load_json(ckpt_dir / CHECKPOINT, "ravex-checkpoint")
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, dict):
+        raise CorruptCheckpointError(f"{ckpt_dir / CHECKPOINT}: has no 'tensors' object", path=ckpt_dir / CHECKPOINT)
+    info = CheckpointInfo("native", variant, str(path), world_size=doc.get("world_size"), step=doc.get("step"), reasons=reasons)
+    files: dict[str, int] = {}
+    state_names: list[str] = []
+    for name, t in tensors.items():
+        kind = _kind(name)
+        display = name[len("model/"):] if kind == "param" else name
+        info.tensors.append(TensorInfo(display, tuple(t.get("shape", ())), str(t.get("dtype")), kind))
+        if kind == "optim":
+            sname = name.split("/")[1]
+            if sname not in state_names:
+                state_names.append(sname)
+        for c in t.get("chunks", []):
+            files.setdefault(str(c.get("file")), 0)
+    for rel in sorted(files):
+        p = store / rel
+        if not p.is_file():
+            raise IncompleteCheckpointError(f"{ckpt_dir / CHECKPOINT}: chunk file '{rel}' is missing", hint="copy the whole store directory; checkpoints can share data files", path=p)
+        info.files.append(FileInfo(rel, p.stat().st_size, "data"))
+    info.files.insert(0, FileInfo(str((ckpt_dir / CHECKPOINT).relative_to(store)) if variant == "store" else CHECKPOINT, (ckpt_dir / CHECKPOINT).stat().st_size, "metadata"))
+    info.aliases = {k: str(v) for k, v in (doc.get("aliases") or {}).items()}
+    if state_names:
+        groups = (doc.get("objects") or {}).get("optim.param_groups")
+        info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(state_names) else "unknown", state_names, len(groups) if isinstance(groups, list) else None)
+    if manifest is not None and entry is not None:
+        info.extra["index"] = entry.get("index")
+        info.extra["checkpoints"] = [
+            {k: e.get(k) for k in ("index", "step", "status", "created_unix", "bytes")} for e in manifest["checkpoints"]
+        ]
+    return info

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): set up the environment, run the Rust
+# tests, build and install the wheel, run every Python test (slow and
+# distributed ones included). Fails if any suite runs no test.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+venv=$(scripts/env.sh)
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$(dirname "$venv")/cargo-target}
+
+echo "== cargo test"
+cargo test --locked 2>&1 | tee /dev/stderr | grep -qE '^test result: ok\. [1-9][0-9]* passed' \
+  || { echo "test.sh: cargo test ran no test or failed" >&2; exit 1; }
+
+echo "== build and install"
+scripts/install.sh "$venv"
+
+echo "== pytest"
+# The `pytest` script (not `python -m pytest`) keeps the source tree off
+# sys.path, so the installed wheel is what gets tested.
+export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+set +e
+"$venv/bin/pytest" "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "test.sh: pytest collected no test" >&2
+  exit 1
+fi
+exit "$rc"
