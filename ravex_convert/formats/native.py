@@ -26,6 +26,12 @@ def sniff(path: Path) -> list[str] | None:
     if path.is_dir() and (path / STORE_MARKER).is_file():
         return [f"found {STORE_MARKER} (a Ravex store)"]
     if path.is_dir() and (path / CHECKPOINT).is_file():
+        if ".tmp-" in path.name:
+            raise IncompleteCheckpointError(
+                f"{path}: a Ravex checkpoint that was still being written (its name has '.tmp-'); it was never committed",
+                hint="open the store directory instead: `ravex inspect` picks the newest complete checkpoint",
+                path=path,
+            )
         return [f"found {CHECKPOINT} (one checkpoint of a Ravex store)"]
     if path.is_file() and path.name in (STORE_MARKER, MANIFEST, CHECKPOINT):
         return [f"{path.name} is a Ravex store file"]
@@ -90,6 +96,10 @@ def _kind(name: str) -> str:
     return "param" if name.startswith("model/") else "other"
 
 
+def _display(name: str) -> str:
+    return name[len("model/"):] if name.startswith("model/") else name
+
+
 def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
     if path.is_file():
         path = path.parent
@@ -99,8 +109,17 @@ def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
         entry, ckpt_dir = resolve(store, index)
         variant = "store"
     else:
-        store, ckpt_dir, manifest, entry = path.parent.parent, path, None, None
+        ckpt_dir, manifest, entry = path, None, None
         variant = "checkpoint"
+        store = path.parent.parent
+        if path.parent.name == "checkpoints" and (store / STORE_MARKER).is_file():
+            listed = [e for e in read_manifest(store)["checkpoints"] if e.get("dir") == f"checkpoints/{path.name}"]
+            if not listed:
+                raise IncompleteCheckpointError(
+                    f"{path}: not listed in {store / MANIFEST}, so it is not a committed checkpoint",
+                    hint="open the store directory to get the newest complete checkpoint",
+                    path=path,
+                )
     doc = _load_json(ckpt_dir / CHECKPOINT, "ravex-checkpoint")
     tensors = doc.get("tensors")
     if not isinstance(tensors, dict):
@@ -110,7 +129,7 @@ def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
     state_names: list[str] = []
     for name, t in tensors.items():
         kind = _kind(name)
-        display = name[len("model/"):] if kind == "param" else name
+        display = _display(name)
         info.tensors.append(TensorInfo(display, tuple(t.get("shape", ())), str(t.get("dtype")), kind))
         if kind == "optim":
             sname = name.split("/")[1]
@@ -118,13 +137,23 @@ def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
                 state_names.append(sname)
         for c in t.get("chunks", []):
             files.setdefault(str(c.get("file")), 0)
+    own = f"checkpoints/{doc.get('index', -1):08d}/" if isinstance(doc.get("index"), int) else f"checkpoints/{ckpt_dir.name}/"
     for rel in sorted(files):
         p = store / rel
+        if variant == "checkpoint" and not (store / STORE_MARKER).is_file():
+            # A checkpoint copied out of its store: its own files sit beside it.
+            if not rel.startswith(own):
+                raise IncompleteCheckpointError(
+                    f"{ckpt_dir / CHECKPOINT}: chunk file '{rel}' lives in another checkpoint of the store this was copied from",
+                    hint="open the whole store, or convert the checkpoint into a self-contained one",
+                    path=ckpt_dir,
+                )
+            p = ckpt_dir / rel[len(own):]
         if not p.is_file():
             raise IncompleteCheckpointError(f"{ckpt_dir / CHECKPOINT}: chunk file '{rel}' is missing", hint="copy the whole store directory; checkpoints can share data files", path=p)
         info.files.append(FileInfo(rel, p.stat().st_size, "data"))
     info.files.insert(0, FileInfo(str((ckpt_dir / CHECKPOINT).relative_to(store)) if variant == "store" else CHECKPOINT, (ckpt_dir / CHECKPOINT).stat().st_size, "metadata"))
-    info.aliases = {k: str(v) for k, v in (doc.get("aliases") or {}).items()}
+    info.aliases = {_display(k): _display(str(v)) for k, v in (doc.get("aliases") or {}).items()}
     if state_names:
         groups = (doc.get("objects") or {}).get("optim.param_groups")
         info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(state_names) else "unknown", state_names, len(groups) if isinstance(groups, list) else None)

@@ -1,0 +1,40 @@
+"""Shared helpers: where the fixtures are, and running the `ravex` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "fixtures"
+DATA = FIXTURES / "data"
+
+
+def ravex_bin() -> str:
+    exe = Path(sys.executable).with_name("ravex")
+    found = str(exe) if exe.exists() else shutil.which("ravex")
+    if not found:
+        pytest.fail("the `ravex` command is not installed in this environment (run scripts/install.sh)")
+    return found
+
+
+def run_ravex(*args: str | os.PathLike[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
+    return subprocess.run([ravex_bin(), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+def inspect_json(path: Path, *extra: str) -> dict[str, Any]:
+    res = run_ravex("inspect", path, "--json", *extra)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def fixture_dirs() -> list[str]:
+    return sorted(p.name for p in DATA.iterdir() if (p / "checkpoint").is_dir()) if DATA.is_dir() else []
