@@ -9,8 +9,11 @@ venv=$(scripts/env.sh)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$(dirname "$venv")/cargo-target}
 
 echo "== cargo test"
-cargo test --locked 2>&1 | tee /dev/stderr | grep -qE '^test result: ok\. [1-9][0-9]* passed' \
-  || { echo "test.sh: cargo test ran no test or failed" >&2; exit 1; }
+cargo_log=$(mktemp)
+trap 'rm -f "$cargo_log"' EXIT
+cargo test --locked 2>&1 | tee "$cargo_log"
+grep -qE '^test result: ok\. [1-9][0-9]* passed' "$cargo_log" \
+  || { echo "test.sh: cargo test ran no test" >&2; exit 1; }
 
 echo "== build and install"
 scripts/install.sh "$venv"
