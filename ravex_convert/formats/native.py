@@ -97,7 +97,14 @@ def _kind(name: str) -> str:
 
 
 def _display(name: str) -> str:
-    return name[len("model/"):] if name.startswith("model/") else name
+    """Logical names as inspect shows them for every format: ``embed.weight``,
+    ``optim.exp_avg/embed.weight``."""
+    if name.startswith("model/"):
+        return name[len("model/"):]
+    if name.startswith("optim/") and name.count("/") >= 2:
+        _, state, fqn = name.split("/", 2)
+        return f"optim.{state}/{fqn}"
+    return name
 
 
 def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
