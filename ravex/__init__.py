@@ -15,4 +15,4 @@ from ravex_convert import (
     inspect,
 )
 
-__all__ = ["__version__", "detect", "inspect", "CheckpointInfo", "RavexError"]
+__all__ = ["CheckpointInfo", "RavexError", "__version__", "detect", "inspect"]

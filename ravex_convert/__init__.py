@@ -26,17 +26,17 @@ except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "CheckpointInfo",
+    "CorruptCheckpointError",
+    "Detection",
+    "IncompleteCheckpointError",
+    "LayoutMismatchError",
+    "NotFoundError",
+    "RavexError",
+    "TensorInfo",
+    "UnknownFormatError",
+    "UnsafeCheckpointError",
     "__version__",
     "detect",
     "inspect",
-    "Detection",
-    "CheckpointInfo",
-    "TensorInfo",
-    "RavexError",
-    "NotFoundError",
-    "UnknownFormatError",
-    "UnsafeCheckpointError",
-    "CorruptCheckpointError",
-    "IncompleteCheckpointError",
-    "LayoutMismatchError",
 ]

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 from ._unpickle import DTYPE_SIZES, StorageRef, TensorRef, restricted_loads
 from .errors import CorruptCheckpointError
 
-__all__ = ["TorchArchive", "open_archive", "is_torch_zip"]
+__all__ = ["TorchArchive", "is_torch_zip", "open_archive"]
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
@@ -140,7 +140,7 @@ def open_archive(path: str | Path, base: int = 0, length: int | None = None) -> 
             raise bad
         window.seek(0)
         try:
-            z = zipfile.ZipFile(io.BufferedReader(window))  # type: ignore[arg-type]
+            z = zipfile.ZipFile(io.BufferedReader(window))
             infos = z.infolist()
         except (zipfile.BadZipFile, ValueError, OSError, EOFError):
             raise bad from None

@@ -15,13 +15,14 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["StorageRef", "TensorRef", "Record", "DType", "restricted_loads", "DTYPE_SIZES"]
+__all__ = ["DTYPE_SIZES", "DType", "Record", "StorageRef", "TensorRef", "restricted_loads"]
 
 # Element sizes in bytes, keyed by the dtype names Ravex uses everywhere
 # (torch's names without the "torch." prefix).
@@ -121,7 +122,7 @@ def _record_class(qualname: str) -> type:
     pickle instantiates (REDUCE with args, NEWOBJ, BUILD with any state)."""
 
     def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
         obj.__dict__["_record"] = Record(qualname, tuple(args))
         return obj
 
@@ -230,6 +231,9 @@ _RECORD_CLASSES = [
     "torch.layout",
     "argparse.Namespace",
     "torch.nn.parameter.Parameter",
+    # _rebuild_from_type_v2 names the tensor class; DeepSpeed's ZeRO-3 fp32
+    # partitions are plain tensors carrying attributes (ds_id) this way.
+    "torch.Tensor",
 ]
 
 _FUNCTIONS: dict[tuple[str, str], Any] = {

@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = [
-    "RavexError",
-    "NotFoundError",
-    "UnknownFormatError",
-    "UnsafeCheckpointError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "LayoutMismatchError",
+    "NotFoundError",
+    "RavexError",
+    "UnknownFormatError",
+    "UnsafeCheckpointError",
 ]
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TensorInfo", "FileInfo", "OptimizerInfo", "CheckpointInfo", "FORMATS"]
+__all__ = ["FORMATS", "CheckpointInfo", "FileInfo", "OptimizerInfo", "TensorInfo"]
 
 FORMATS = ("zero", "dcp", "torch_save", "safetensors", "native")
+NO_PARAM_MARKS = "parameters and buffers are not distinguished in a plain state dict; floating-point tensors are counted as parameters"
 
 
 @dataclass

@@ -18,6 +18,13 @@ grep -qE '^test result: ok\. [1-9][0-9]* passed' "$cargo_log" \
 echo "== build and install"
 scripts/install.sh "$venv"
 
+echo "== lint: ruff, mypy --strict, stubtest of the compiled module, clippy"
+"$venv/bin/ruff" check ravex ravex_convert ravex_runtime tests integration scripts fixtures
+"$venv/bin/mypy"
+# from outside the tree, so the installed module (with its .so) is what is checked
+(cd "$(mktemp -d)" && "$venv/bin/python" -m mypy.stubtest ravex_convert._core)
+cargo clippy --locked --all-targets --quiet -- -D warnings
+
 echo "== pytest"
 # The `pytest` script (not `python -m pytest`) keeps the source tree off
 # sys.path, so the installed wheel is what gets tested.

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from conftest import inspect_json, run_ravex
+from safetensors.torch import save_file
 
 
 def _model() -> torch.nn.Module:

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import inspect_json, run_ravex
 
 CHECKSUM = "xxh3-64:" + "0" * 16  # inspect does not verify data; loading (engine issue) will
@@ -44,7 +43,7 @@ def make_store(root: Path, steps: list[int], version: int = 1) -> Path:
         f1 = f"checkpoints/{index:08d}/rank00001.safetensors"
         o0 = _safetensors(root / f0, {"model/embed.weight@0": ("F32", [2, 3], b"\0" * 24), "optim/exp_avg/embed.weight@0": ("F32", [2, 3], b"\0" * 24), "optim/step/embed.weight@0": ("F32", [], struct.pack("<f", step))})
         o1 = _safetensors(root / f1, {"model/embed.weight@1": ("F32", [2, 3], b"\0" * 24), "optim/exp_avg/embed.weight@1": ("F32", [2, 3], b"\0" * 24)})
-        box = lambda r: {"box": {"offsets": [2 * r, 0], "sizes": [2, 3]}}  # noqa: E731
+        box = lambda r: {"box": {"offsets": [2 * r, 0], "sizes": [2, 3]}}
         doc = {
             "format": "ravex-checkpoint", "format_version": 1, "index": index, "step": step, "run_id": "r1",
             "created_unix": 2.0 + index, "world_size": 2,

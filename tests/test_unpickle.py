@@ -9,8 +9,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import run_ravex
+
 from ravex_convert._unpickle import DType, Record, restricted_loads
 from ravex_convert.errors import CorruptCheckpointError, UnsafeCheckpointError
 

@@ -17,9 +17,10 @@ from typing import Any
 from .._torchzip import open_archive
 from .._unpickle import DType, Record, TensorRef, restricted_loads
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
+from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
+from ..model import MODEL, OPTIM, Box, Checkpoint, Chunk, LogicalTensor
 
-__all__ = ["METADATA", "sniff", "describe", "read_metadata", "DcpMetadata", "DcpTensor", "DcpItem"]
+__all__ = ["METADATA", "DcpItem", "DcpMetadata", "DcpTensor", "describe", "read_metadata", "sniff"]
 
 METADATA = ".metadata"
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -198,6 +199,7 @@ def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
         kind = "Adam" if {"exp_avg", "exp_avg_sq"} <= set(state_names) else "unknown"
         info.optimizer = OptimizerInfo(kind, state_names, None)
     info.step = _read_step(root, meta)
+    info.notes.append(NO_PARAM_MARKS)
     info.extra["metadata_form"] = "torch>=2.15 (TensorProperties with strides)" if meta.has_strides else "torch<2.15"
     return info
 
@@ -220,3 +222,71 @@ def _read_step(root: Path, meta: DcpMetadata) -> int | None:
                 if isinstance(value, int):
                     return value
     return None
+
+
+def _item_archive(root: Path, meta: DcpMetadata, key: str, offsets: tuple[int, ...]) -> tuple[Any, Any]:
+    item = meta.items.get((key, offsets))
+    if item is None:
+        raise CorruptCheckpointError(f"{root / METADATA}: no storage entry for '{key}' at offsets {list(offsets)}", path=root / METADATA)
+    archive = open_archive(root / item.file, item.offset, item.length)
+    return archive, archive.root
+
+
+def _logical_name(path: tuple[str, ...]) -> str:
+    if len(path) == 2 and path[0] == "model":
+        return MODEL + path[1]
+    if len(path) == 4 and path[0] in ("optim", "optimizer") and path[1] == "state":
+        return f"{OPTIM}{path[3]}/{path[2]}"
+    return "obj/" + "/".join(path)
+
+
+def read(path: Path) -> Checkpoint:
+    """Describe a DCP checkpoint: every stored chunk located inside its ``.distcp``
+    item; non-tensor items (param groups, user values) unpickled (restricted)."""
+    root = path.parent if path.is_file() else path
+    meta = read_metadata(root)
+    info = describe(path, [])
+    ckpt = Checkpoint("dcp", root, world_size=info.world_size or 1, step=info.step)
+    ckpt.source["metadata_form"] = info.extra["metadata_form"]
+    for t in meta.tensors.values():
+        lt = ckpt.add(LogicalTensor(_logical_name(t.path), t.shape, t.dtype))
+        for offsets, sizes in t.chunks:
+            archive, ref = _item_archive(root, meta, t.key, offsets)
+            if not isinstance(ref, TensorRef) or ref.shape != sizes or ref.dtype != t.dtype:
+                raise CorruptCheckpointError(f"{root}: the item for '{t.key}' at {list(offsets)} does not hold a {t.dtype} tensor of shape {list(sizes)}", path=root)
+            if not ref.is_contiguous():
+                raise CorruptCheckpointError(f"{root}: the item for '{t.key}' holds a non-contiguous tensor", path=root)
+            lt.chunks.append(Chunk(Box(offsets, sizes), t.dtype, archive.path, archive.tensor_offset(ref)))
+    groups: dict[str, dict[str, Any]] = {}
+    for key, nesting in meta.objects.items():
+        _, value = _item_archive(root, meta, key, ())
+        if len(nesting) == 4 and nesting[0] in ("optim", "optimizer") and nesting[1] == "param_groups":
+            groups.setdefault(nesting[2], {})[nesting[3]] = value
+        else:
+            ckpt.objects.setdefault("extra", {})["/".join(nesting)] = value
+    if groups and all("params" in g for g in groups.values()):
+        # the usual form: one entry per group index, with its parameter names
+        ckpt.objects["optim.param_groups"] = [groups[k] for k in sorted(groups, key=lambda k: int(k) if k.isdigit() else k)]
+    elif groups:
+        ckpt.objects["optim.param_groups"] = _regroup(groups)
+    return ckpt
+
+
+def _regroup(per_param: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """get_state_dict stores each parameter's group hyper-parameters under its
+    name; parameters whose hyper-parameters (and listed ``params``) agree are one
+    group, in order of first appearance."""
+    groups: list[dict[str, Any]] = []
+    for fqn, hyper in per_param.items():
+        listed = hyper.get("params")
+        h = {k: v for k, v in hyper.items() if k != "params"}
+        for g in groups:
+            same_members = listed is None or g.get("_listed") == listed
+            if same_members and {k: v for k, v in g.items() if k not in ("params", "_listed")} == h:
+                g["params"].append(fqn)
+                break
+        else:
+            groups.append({**h, "params": [fqn], "_listed": listed})
+    for g in groups:
+        g.pop("_listed")
+    return groups

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
+from .._tagged import decode
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
+from ..model import Box, Checkpoint, Chunk, Flat, LogicalTensor, Region
 
-__all__ = ["STORE_MARKER", "MANIFEST", "CHECKPOINT", "FORMAT_VERSION", "sniff", "describe", "read_manifest", "resolve"]
+__all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "describe", "read_manifest", "resolve", "sniff"]
 
 STORE_MARKER = "ravex-store.json"
 MANIFEST = "manifest.json"
@@ -170,3 +172,48 @@ def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
             {k: e.get(k) for k in ("index", "step", "status", "created_unix", "bytes")} for e in manifest["checkpoints"]
         ]
     return info
+
+
+def _region(raw: Any, where: str) -> Region:
+    if isinstance(raw, dict) and set(raw) == {"box"}:
+        b = raw["box"]
+        return Box(tuple(int(o) for o in b["offsets"]), tuple(int(s) for s in b["sizes"]))
+    if isinstance(raw, dict) and set(raw) == {"flat"}:
+        f = raw["flat"]
+        return Flat(int(f["start"]), int(f["length"]))
+    raise CorruptCheckpointError(f"{where}: a chunk's region is neither a box nor a flat range", path=where)
+
+
+def read(path: Path, index: int = -1) -> Checkpoint:
+    """Describe one checkpoint of a store (``index``; -1 = newest complete)."""
+    info = describe(path, [], index=index)  # validates the manifest and that every chunk file exists
+    p = path.parent if path.is_file() else path
+    if (p / STORE_MARKER).is_file():
+        store = p
+        _, ckpt_dir = resolve(store, index)
+    else:
+        ckpt_dir, store = p, p.parent.parent
+    doc = _load_json(ckpt_dir / CHECKPOINT, "ravex-checkpoint")
+    where = str(ckpt_dir / CHECKPOINT)
+    own = f"checkpoints/{doc['index']:08d}/" if isinstance(doc.get("index"), int) else None
+    copied_out = not (store / STORE_MARKER).is_file()
+    ckpt = Checkpoint("native", p, world_size=int(doc.get("world_size") or 1), step=doc.get("step"))
+    ckpt.source = dict(doc.get("source") or {})
+    ckpt.source["index"] = doc.get("index")
+    try:
+        for name, entry in doc["tensors"].items():
+            t = ckpt.add(LogicalTensor(name, tuple(int(s) for s in entry["shape"]), str(entry["dtype"])))
+            for c in entry["chunks"]:
+                rel = str(c["file"])
+                file = ckpt_dir / rel[len(own):] if copied_out and own and rel.startswith(own) else store / rel
+                compression = c.get("compression")
+                if compression not in (None, "zstd"):
+                    raise RavexError(f"{where}: chunk of '{name}' uses compression {compression!r}, unknown to this Ravex", hint="upgrade Ravex", path=where)
+                t.chunks.append(Chunk(_region(c["region"], where), t.dtype, file, int(c["offset"]), compression=compression,
+                                      stored_nbytes=int(c["stored_nbytes"]), checksum=str(c["checksum"])))
+        ckpt.aliases = {str(k): str(v) for k, v in (doc.get("aliases") or {}).items()}
+        ckpt.objects = {k: decode(v, f"{where}: objects.{k}") for k, v in (doc.get("objects") or {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{where}: malformed checkpoint metadata ({type(exc).__name__}: {exc})", path=where) from None
+    ckpt.notes.extend(info.notes)
+    return ckpt

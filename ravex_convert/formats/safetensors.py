@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..info import CheckpointInfo, FileInfo, TensorInfo
+from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
+from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor
 
-__all__ = ["INDEX_NAME", "read_header", "sniff", "describe", "DTYPES"]
+__all__ = ["DTYPES", "INDEX_NAME", "describe", "read_header", "sniff"]
 
 INDEX_NAME = "model.safetensors.index.json"
 DTYPES = {
@@ -101,6 +102,7 @@ def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
         info.tensors = _tensors_of(path, header)
         info.files = [FileInfo(path.name, path.stat().st_size, "weights")]
         _aliases_from_metadata(info, header.get("__metadata__"))
+        info.notes.append(NO_PARAM_MARKS)
         return info
 
     index_path = path / INDEX_NAME
@@ -152,6 +154,7 @@ def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
             path=index_path,
         )
     info.files = files
+    info.notes.append(NO_PARAM_MARKS)
     return info
 
 
@@ -162,3 +165,40 @@ def _aliases_from_metadata(info: CheckpointInfo, metadata: Any) -> None:
             info.aliases.update(json.loads(metadata["ravex.aliases"]))
         except (json.JSONDecodeError, TypeError):
             info.notes.append("__metadata__ has an unreadable 'ravex.aliases' entry")
+
+
+def _shard_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    index_path = path / INDEX_NAME
+    if index_path.is_file():
+        describe(path, [])  # validates the index and that every shard is present
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        return [path / n for n in sorted(set(weight_map.values()))]
+    return sorted(path.glob("*.safetensors"))
+
+
+def read(path: Path) -> Checkpoint:
+    """Every tensor as ``model/<name>``, one whole-tensor chunk each, in place."""
+    ckpt = Checkpoint("safetensors", path, world_size=1)
+    for file in _shard_files(path):
+        header, start = read_header(file)
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = DTYPES[e["dtype"]]
+            shape = tuple(int(s) for s in e["shape"])
+            begin = int(e["data_offsets"][0])
+            t = LogicalTensor(MODEL + name, shape, dtype)
+            t.chunks.append(Chunk(Box(tuple(0 for _ in shape), shape), dtype, file, start + begin))
+            if int(e["data_offsets"][1]) - begin != t.nbytes:
+                raise CorruptCheckpointError(f"{file}: tensor '{name}' has {int(e['data_offsets'][1]) - begin} bytes for shape {list(shape)} {dtype}", path=file)
+            ckpt.add(t)
+        meta = header.get("__metadata__")
+        if isinstance(meta, dict) and "ravex.aliases" in meta:
+            try:
+                for alias, target in json.loads(meta["ravex.aliases"]).items():
+                    ckpt.aliases[MODEL + alias] = MODEL + target
+            except (json.JSONDecodeError, TypeError, AttributeError):
+                ckpt.notes.append(f"{file.name}: unreadable 'ravex.aliases' metadata ignored")
+    return ckpt

@@ -24,7 +24,7 @@ from .._unpickle import Record, TensorRef
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, UnknownFormatError
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 
-__all__ = ["sniff", "describe", "locate", "ZeroLayout", "LATEST"]
+__all__ = ["LATEST", "ZeroLayout", "describe", "locate", "sniff"]
 
 LATEST = "latest"
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -176,7 +176,7 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
     if not isinstance(osd, dict):
         raise CorruptCheckpointError(f"{optim0.path}: has no 'optimizer_state_dict'; not a DeepSpeed optimizer file", path=optim0.path)
 
-    ds_config = ms.get("ds_config") if isinstance(ms.get("ds_config"), dict) else {}
+    ds_config: dict[str, Any] = ms["ds_config"] if isinstance(ms.get("ds_config"), dict) else {}
     configured = _stage_of((ds_config.get("zero_optimization") or {}).get("stage"))
     saved_stage = _stage_of(osd.get("zero_stage"))
     bf16_optimizer = "zero_stage" not in osd
@@ -218,7 +218,7 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
 
 
 def _tensors(info: CheckpointInfo, ms: dict[str, Any], model: TorchArchive) -> None:
-    module = ms.get("module") if isinstance(ms.get("module"), dict) else {}
+    module: dict[str, Any] = ms["module"] if isinstance(ms.get("module"), dict) else {}
     buffers = ms.get("buffer_names") or []
     frozen = ms.get("frozen_param_shapes") or {}
     shared = ms.get("shared_params") or {}
@@ -255,6 +255,6 @@ def _optimizer(info: CheckpointInfo, osd: dict[str, Any], optim0: TorchArchive) 
                 names.extend(k for k in per if k not in names)
     masters = osd.get("single_partition_of_fp32_groups") or osd.get("fp32_flat_groups") or osd.get("fp32_groups") or []
     master_dtype = next((m.dtype for m in masters if isinstance(m, TensorRef)), None) if isinstance(masters, list) else None
-    groups = inner.get("param_groups") if inner else None
+    groups = inner.get("param_groups") if inner is not None else None
     kind = "Adam" if {"exp_avg", "exp_avg_sq"} <= set(names) else ("unknown" if names else "none")
     info.optimizer = OptimizerInfo(kind, names, len(groups) if isinstance(groups, list) else None, master_dtype)

@@ -1,0 +1,36 @@
+"""Checkpoints written right now by the installed DeepSpeed and FSDP2 (torchrun,
+gloo, CPU) are recognised exactly like the bundled fixtures made by the same
+script: detection does not depend on bytes we checked in."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import DATA, inspect_json  # noqa: E402
+
+STABLE_KEYS = ("format", "variant", "world_size", "zero_stage", "step", "tag", "dtypes", "num_tensors", "num_params", "aliases", "frozen")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["zero3_ws3_bf16", "bf16opt_ws2", "fsdp2_ws2"])
+def test_fresh_checkpoint_is_recognised_like_the_fixture(name: str, tmp_path: Path) -> None:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(REPO / "fixtures" / "generate.py"), "--out", str(tmp_path), name],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    fresh = inspect_json(tmp_path / name / "checkpoint", "--tensors")
+    bundled = inspect_json(DATA / name / "checkpoint", "--tensors")
+    assert {k: fresh[k] for k in STABLE_KEYS} == {k: bundled[k] for k in STABLE_KEYS}
+    assert fresh["tensors"] == bundled["tensors"]
+    assert [f["path"] for f in fresh["files"]] == [f["path"] for f in bundled["files"]]
+    true = json.loads((tmp_path / name / "reference" / "true_state.json").read_text())
+    assert fresh["world_size"] == true["world_size"]
