@@ -338,7 +338,7 @@ def restricted_loads(data: bytes, source: str | Path, storages: Callable[[tuple[
         obj = _Unpickler(data, src, storages).load()
     except (UnsafeCheckpointError, CorruptCheckpointError):
         raise
-    except Exception as exc:  # pickle raises many types on garbage input
+    except Exception as exc:  # noqa: BLE001 -- pickle raises any type on garbage input
         raise CorruptCheckpointError(
             f"{src}: the pickle inside cannot be read ({type(exc).__name__}: {exc})",
             hint="the file is truncated or damaged; copy it again from where the run wrote it",

@@ -27,7 +27,7 @@ def ravex_bin() -> str:
 
 def run_ravex(*args: str | os.PathLike[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
-    return subprocess.run([ravex_bin(), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+    return subprocess.run([ravex_bin(), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=120, check=False)
 
 
 def inspect_json(path: Path, *extra: str) -> dict[str, Any]:

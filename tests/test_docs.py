@@ -9,5 +9,5 @@ from conftest import REPO
 
 
 def test_cli_reference_is_current() -> None:
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_cli_docs.py"), "--check"], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_cli_docs.py"), "--check"], capture_output=True, text=True, check=False)
     assert res.returncode == 0, "docs/cli.md is stale: run `python scripts/gen_cli_docs.py`\n" + res.stderr

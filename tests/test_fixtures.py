@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import DATA, FIXTURES, inspect_json
+
 from ravex_convert.formats.safetensors import read_header
 
 # name -> (format, variant, zero_stage, world_size, step, precision)

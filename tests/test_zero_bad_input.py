@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import DATA, inspect_json, run_ravex
 
 

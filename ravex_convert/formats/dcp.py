@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .._torchzip import open_archive
-from .._unpickle import DType, Record, TensorRef, restricted_loads
+from .._unpickle import Record, TensorRef, restricted_loads
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import MODEL, OPTIM, Box, Checkpoint, Chunk, LogicalTensor
@@ -114,7 +114,7 @@ def read_metadata(root: Path) -> DcpMetadata:
                     (tuple(int(o) for o in _field(c, "offsets", 0)), tuple(int(s) for s in _field(c, "sizes", 1)))
                     for c in _field(m, "chunks", 2)
                 ]
-                tensors[key] = DcpTensor(key, nesting, shape, str(dtype) if isinstance(dtype, DType) else str(dtype), chunks)
+                tensors[key] = DcpTensor(key, nesting, shape, str(dtype), chunks)
             else:
                 objects[key] = nesting
         items: dict[tuple[str, tuple[int, ...]], DcpItem] = {}

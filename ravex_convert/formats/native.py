@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
 from .._tagged import decode
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import Box, Checkpoint, Chunk, Flat, LogicalTensor, Region
 

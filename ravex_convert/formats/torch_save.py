@@ -127,7 +127,7 @@ def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
         )
     variant = "state_dict" if model_key is None else ("training_state" if optim is not None else "model")
     info = CheckpointInfo("torch_save", variant, str(path), world_size=1, reasons=reasons)
-    info.files = [FileInfo(file.name if path.is_dir() else file.name, file.stat().st_size, "state")]
+    info.files = [FileInfo(file.name, file.stat().st_size, "state")]
     info.aliases = _aliases(sd)
     for name, t in sd.items():
         kind = "param" if t.is_parameter or t.requires_grad else "other"
