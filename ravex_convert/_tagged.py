@@ -15,7 +15,7 @@ from ._unpickle import DType
 from .errors import CorruptCheckpointError, RavexError
 from .model import TensorLink
 
-__all__ = ["encode", "decode", "TAG"]
+__all__ = ["TAG", "decode", "encode"]
 
 TAG = "__ravex__"
 _MAX_PLAIN_INT = 2**53 - 1

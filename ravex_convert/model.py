@@ -26,7 +26,7 @@ from typing import Any
 
 from ._unpickle import DTYPE_SIZES
 
-__all__ = ["Box", "Flat", "Region", "Chunk", "LogicalTensor", "Checkpoint", "TensorLink", "MODEL", "OPTIM", "OBJ", "numel", "itemsize"]
+__all__ = ["MODEL", "OBJ", "OPTIM", "Box", "Checkpoint", "Chunk", "Flat", "LogicalTensor", "Region", "TensorLink", "itemsize", "numel"]
 
 MODEL = "model/"
 OPTIM = "optim/"
