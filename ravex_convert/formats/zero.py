@@ -21,10 +21,12 @@ from typing import Any
 
 from .._torchzip import TorchArchive, open_archive
 from .._unpickle import Record, TensorRef
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, UnknownFormatError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, LayoutMismatchError, RavexError, UnknownFormatError
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
+from ..model import MODEL, OBJ, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, itemsize, numel
+from .zero_layout import Groups, RankFile, corrupt, read_flat_groups, read_stage3, stage3_partition, tensor_chunk
 
-__all__ = ["LATEST", "ZeroLayout", "describe", "locate", "sniff"]
+__all__ = ["LATEST", "ZeroLayout", "describe", "locate", "read", "sniff"]
 
 LATEST = "latest"
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -144,6 +146,12 @@ def _stage_of(value: Any) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def _precision(ds_config: dict[str, Any], prefix: str) -> str:
+    bf16 = bool((ds_config.get("bf16") or {}).get("enabled")) or prefix == "bf16_"
+    fp16 = bool((ds_config.get("fp16") or {}).get("enabled")) or prefix == "fp16_"
+    return "bf16" if bf16 else ("fp16" if fp16 else "fp32")
+
+
 def _model_states_file(layout: ZeroLayout) -> Path:
     plain = layout.tag_dir / "mp_rank_00_model_states.pt"
     return plain if plain.is_file() else layout.model_files[min(layout.model_files)]
@@ -181,9 +189,7 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
     saved_stage = _stage_of(osd.get("zero_stage"))
     bf16_optimizer = "zero_stage" not in osd
     stage = configured if configured is not None else (saved_stage if saved_stage is not None else (1 if bf16_optimizer else None))
-    bf16 = bool((ds_config.get("bf16") or {}).get("enabled")) or layout.prefix == "bf16_"
-    fp16 = bool((ds_config.get("fp16") or {}).get("enabled")) or layout.prefix == "fp16_"
-    precision = "bf16" if bf16 else ("fp16" if fp16 else "fp32")
+    precision = _precision(ds_config, layout.prefix)
     variant = "bf16_optimizer" if bf16_optimizer else f"zero{stage}"
 
     info = CheckpointInfo("zero", variant, str(path), zero_stage=stage, tag=layout.tag, reasons=reasons + layout.reasons)
@@ -258,3 +264,310 @@ def _optimizer(info: CheckpointInfo, osd: dict[str, Any], optim0: TorchArchive) 
     groups = inner.get("param_groups") if inner is not None else None
     kind = "Adam" if {"exp_avg", "exp_avg_sq"} <= set(names) else ("unknown" if names else "none")
     info.optimizer = OptimizerInfo(kind, names, len(groups) if isinstance(groups, list) else None, master_dtype)
+
+
+# ----------------------------------------------------------------------------
+# read(): every tensor located in the files, nothing loaded.
+
+
+def read(path: Path, tag: str | None = None) -> Checkpoint:
+    """Describe a DeepSpeed ZeRO checkpoint (stage 1, 2, 3, or BF16_Optimizer)
+    without loading tensor data or importing torch.
+
+    ``model/<fqn>``: the fp32 master of every trainable parameter (chunks of
+    each rank's flat partition); frozen parameters and persistent buffers as
+    the files hold them. ``optim/<state>/<fqn>``: Adam's moments (same
+    geometry as the master) and ``step`` (a 0-d tensor per parameter, the
+    bytes of its group's step). Tied parameters are ``aliases``.
+    """
+    layout = locate(path, tag)
+    ws = len(layout.optim_files)
+    model = open_archive(_model_states_file(layout))
+    ms = model.root
+    if not isinstance(ms, dict) or "param_shapes" not in ms:
+        raise UnknownFormatError(
+            f"{model.path}: a torch.save file without DeepSpeed's 'param_shapes'; not a DeepSpeed ZeRO model-states file",
+            hint="point Ravex at the DeepSpeed checkpoint root (the directory with 'latest')",
+            path=model.path,
+        )
+    ranks = [_rank_file(r, layout.optim_files[r]) for r in range(ws)]
+    bf16_optimizer, stage = _saved_variant(ranks)
+    _check_partitions(layout, ranks, stage, ms, model.path)
+    ds_config: dict[str, Any] = ms["ds_config"] if isinstance(ms.get("ds_config"), dict) else {}
+    precision = _precision(ds_config, layout.prefix)
+    variant = "bf16_optimizer" if bf16_optimizer else f"zero{stage}"
+    step = ms.get("global_steps")
+    ckpt = Checkpoint("zero", layout.root, world_size=ws, step=step if isinstance(step, int) and not isinstance(step, bool) else None)
+    ds_version = ms.get("ds_version") or ranks[0].osd.get("ds_version")
+    ckpt.source = {"format": "zero", "variant": variant, "precision": precision, "tag": layout.tag, "ds_version": ds_version}
+
+    param_shapes = _param_shapes(ms, model.path)
+    groups = read_stage3(ckpt, param_shapes, ranks) if stage == 3 else read_flat_groups(ckpt, param_shapes, ranks, bf16_optimizer)
+    ckpt.notes.extend(groups.notes)
+    trainable = {n for shapes in param_shapes for n in shapes}
+    module: dict[str, Any] = ms["module"] if isinstance(ms.get("module"), dict) else {}
+    shared = ms.get("shared_params") or {}
+    if not isinstance(shared, dict):
+        raise corrupt(model.path, "shared_params is not a dict (alias -> parameter)")
+    buffers = [str(b) for b in ms.get("buffer_names") or []]
+    for name in buffers:
+        ref = module.get(name)
+        if not isinstance(ref, TensorRef):
+            raise corrupt(model.path, f"buffer '{name}' is listed in buffer_names but not saved in 'module'")
+        ckpt.add(_whole(model, ref, MODEL + name, f"buffer '{name}'"))
+    _read_frozen(ckpt, layout, model, ms, stage, trainable | set(buffers) | {str(a) for a in shared})
+    for alias, target in shared.items():
+        if MODEL + str(target) not in ckpt.tensors:
+            raise corrupt(model.path, f"shared_params ties '{alias}' to '{target}', which is not a saved parameter")
+        ckpt.aliases[MODEL + str(alias)] = MODEL + str(target)
+    left = [n for n in module if MODEL + str(n) not in ckpt.tensors and MODEL + str(n) not in ckpt.aliases]
+    if left:
+        ckpt.notes.append(f"module entries not read (neither parameters, buffers nor frozen parameters): {', '.join(map(str, left))}")
+
+    ckpt.objects["optim.param_groups"] = _param_groups(groups)
+    if "lr_scheduler" in ms and ms["lr_scheduler"] is not None:
+        ckpt.objects["lr_scheduler"] = _plain(ms["lr_scheduler"], ckpt, model, f"{OBJ}lr_scheduler")
+    if ranks[0].osd.get("loss_scaler") is not None:
+        ckpt.objects["loss_scaler"] = _plain(ranks[0].osd["loss_scaler"], ckpt, ranks[0].archive, f"{OBJ}loss_scaler")
+    ckpt.objects["zero"] = _provenance(ms, ranks, stage, variant, precision, ds_config, groups)
+    _check_bytes(ckpt)
+    return ckpt
+
+
+def _rank_file(rank: int, path: Path) -> RankFile:
+    archive = open_archive(path)
+    osd = archive.root.get("optimizer_state_dict") if isinstance(archive.root, dict) else None
+    if not isinstance(osd, dict):
+        raise corrupt(path, "has no 'optimizer_state_dict'; not a DeepSpeed optimizer file", hint="copy this rank's *_optim_states.pt again from the save")
+    return RankFile(rank, archive, osd)
+
+
+def _saved_variant(ranks: list[RankFile]) -> tuple[bool, int]:
+    """(BF16_Optimizer?, the stage whose layout the files have), the same in every rank's file."""
+    seen: tuple[bool, int | None] | None = None
+    for rf in ranks:
+        bf16_optimizer = "zero_stage" not in rf.osd
+        stage = 1 if bf16_optimizer else _stage_of(rf.osd["zero_stage"])
+        if seen is not None and (bf16_optimizer, stage) != seen:
+            raise corrupt(rf.path, f"says zero_stage={stage}{' (BF16_Optimizer)' if bf16_optimizer else ''}, rank 0's file says {seen[1]}")
+        seen = (bf16_optimizer, stage)
+    assert seen is not None  # locate() found at least one optimizer file
+    bf16_optimizer, stage = seen
+    if stage not in (1, 2, 3):
+        raise LayoutMismatchError(
+            f"{ranks[0].path}: zero_stage is {stage!r}; Ravex reads ZeRO stages 1, 2 and 3",
+            hint="convert the checkpoint with DeepSpeed's own tools first (zero_to_fp32.py)",
+            path=ranks[0].path,
+        )
+    return bf16_optimizer, stage
+
+
+def _check_partitions(layout: ZeroLayout, ranks: list[RankFile], stage: int, ms: dict[str, Any], model_path: Path) -> None:
+    ws = len(ranks)
+    for rf in ranks:
+        pc = rf.osd.get("partition_count")
+        counts = pc if isinstance(pc, list) else [pc]
+        if not counts or not all(isinstance(c, int) for c in counts):
+            raise corrupt(rf.path, f"partition_count is {pc!r}")
+        if max(counts) != ws:
+            raise IncompleteCheckpointError(
+                f"{layout.tag_dir}: {rf.path.name} says {max(counts)} ranks, but {ws} optimizer files are present",
+                hint="an old save was overwritten in part, or some ranks' files were not copied; use a complete tag directory",
+                path=layout.tag_dir,
+            )
+        if min(counts) != ws:
+            raise LayoutMismatchError(
+                f"{rf.path}: param groups are partitioned over different numbers of ranks ({counts}); "
+                "expert-parallel (MoE) ZeRO checkpoints are not supported",
+                hint="convert it with DeepSpeed's universal checkpoint (ds_to_universal) first",
+                path=rf.path,
+            )
+        if rf.osd.get("ds_zero_partition_groups") is not None:
+            raise LayoutMismatchError(
+                f"{rf.path}: ZeRO-3 sub-groups partitioned over their own process groups (AutoEP); not supported",
+                hint="convert it with DeepSpeed's universal checkpoint (ds_to_universal) first",
+                path=rf.path,
+            )
+    dims = ms.get("checkpoint_parallel_dimensions")
+    if isinstance(dims, dict) and any(isinstance(v, int) and v > 1 for v in dims.values()):
+        raise LayoutMismatchError(
+            f"{model_path}: a tensor/pipeline-parallel checkpoint ({dims}); Ravex reads data-parallel ZeRO checkpoints only",
+            hint="convert it with DeepSpeed's universal checkpoint (ds_to_universal) first",
+            path=model_path,
+        )
+
+
+def _param_shapes(ms: dict[str, Any], path: Path) -> list[dict[str, tuple[int, ...]]]:
+    raw = ms["param_shapes"]
+    groups = raw if isinstance(raw, list) else [raw]
+    out: list[dict[str, tuple[int, ...]]] = []
+    for g, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise corrupt(path, f"param_shapes[{g}] is not a dict (name -> shape)")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in group.items():
+            if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise corrupt(path, f"param_shapes[{g}]['{name}'] is {shape!r}, not a shape")
+            shapes[str(name)] = tuple(shape)
+        out.append(shapes)
+    return out
+
+
+def _whole(archive: TorchArchive, ref: TensorRef, name: str, what: str) -> LogicalTensor:
+    """A whole tensor saved as itself (buffers, frozen parameters in ``module``)."""
+    t = LogicalTensor(name, ref.shape, ref.dtype)
+    if ref.is_contiguous():
+        t.chunks.append(tensor_chunk(archive, ref, 0, ref.numel, t.whole(), what))
+    else:
+        t.chunks.append(Chunk(t.whole(), ref.dtype, data=_gather_strided(archive, ref, what)))
+    return t
+
+
+def _gather_strided(archive: TorchArchive, ref: TensorRef, what: str) -> bytes:
+    # A strided view saved as is (a transposed buffer): gather it once, here, and
+    # carry it inline. Rare and small.
+    import numpy as np
+
+    size = itemsize(ref.dtype)
+    lanes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
+    extent = 1 + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride)) if ref.numel else 0
+    if (ref.storage_offset + extent) * size > archive.storage_sizes.get(ref.storage.key, 0):
+        raise corrupt(archive.path, f"{what} runs past the end of its storage", hint="the file is truncated or damaged; copy it again")
+    with open(archive.path, "rb") as f:
+        f.seek(archive.tensor_offset(ref))
+        raw = f.read(extent * size)
+    storage = np.frombuffer(raw, dtype=lanes)
+    view = np.lib.stride_tricks.as_strided(storage, shape=ref.shape, strides=tuple(s * size for s in ref.stride), writeable=False)
+    return bytes(np.ascontiguousarray(view).tobytes())
+
+
+def _read_frozen(ckpt: Checkpoint, layout: ZeroLayout, model: TorchArchive, ms: dict[str, Any], stage: int, known: set[str]) -> None:
+    """Frozen (requires_grad=False) parameters: no fp32 master exists, the files
+    hold them in the working dtype. Stage 2: whole, in ``frozen_param_fragments``;
+    stage 3: one flat ``ceil(numel/ws)`` piece per rank's model-states file;
+    ZeRO-1 and BF16_Optimizer record none (``frozen_param_shapes`` is None): the
+    value is only in ``module``."""
+    shapes = ms.get("frozen_param_shapes")
+    module: dict[str, Any] = ms["module"] if isinstance(ms.get("module"), dict) else {}
+    if shapes is None:
+        for name, ref in module.items():
+            if str(name) in known or not isinstance(ref, TensorRef):
+                continue
+            if ref.numel == 0 and stage == 3:
+                raise corrupt(model.path, f"'{name}' is an empty placeholder in 'module' and no frozen_param_shapes say where it is")
+            ckpt.add(_whole(model, ref, MODEL + str(name), f"frozen parameter '{name}'"))
+            ckpt.notes.append(f"'{name}' is a frozen parameter kept only in the module state (zero{stage} records no frozen_param_shapes)")
+        return
+    if not isinstance(shapes, dict):
+        raise corrupt(model.path, "frozen_param_shapes is not a dict (name -> shape)")
+    if stage != 3:
+        fragments = ms.get("frozen_param_fragments")
+        for name, shape in shapes.items():
+            ref = fragments.get(name) if isinstance(fragments, dict) else None
+            shape = tuple(shape)
+            if not isinstance(ref, TensorRef) or ref.numel != numel(shape):
+                raise corrupt(model.path, f"frozen_param_fragments has no {numel(shape)}-element tensor for frozen parameter '{name}' {list(shape)}")
+            whole = LogicalTensor(MODEL + str(name), shape, ref.dtype)
+            whole.chunks.append(tensor_chunk(model, ref, 0, ref.numel, whole.whole(), f"frozen parameter '{name}'"))
+            ckpt.add(whole)
+        return
+    ws = len(layout.optim_files)
+    archives = [model if layout.model_files[r] == model.path else open_archive(layout.model_files[r]) for r in range(ws)]
+    for name, shape in shapes.items():
+        shape = tuple(shape)
+        n = numel(shape)
+        p = stage3_partition(n, ws)
+        lt: LogicalTensor | None = None
+        for r, archive in enumerate(archives):
+            fragments = archive.root.get("frozen_param_fragments") if isinstance(archive.root, dict) else None
+            ref = fragments.get(name) if isinstance(fragments, dict) else None
+            if not isinstance(ref, TensorRef):
+                raise corrupt(archive.path, f"frozen_param_fragments has no piece of frozen parameter '{name}'")
+            if lt is None:
+                lt = ckpt.add(LogicalTensor(MODEL + str(name), shape, ref.dtype))
+            length = max(0, min(p, n - r * p))
+            if length:
+                lt.chunks.append(tensor_chunk(archive, ref, 0, length, Flat(r * p, length), f"rank {r}'s piece of frozen parameter '{name}'"))
+
+
+def _param_groups(groups: Groups) -> list[dict[str, Any]]:
+    out = []
+    for g, names in enumerate(groups.members):
+        entry = dict(groups.hyper[g]) if groups.hyper is not None and g < len(groups.hyper) else {}
+        entry["params"] = list(names)
+        out.append(entry)
+    return out
+
+
+def _plain(value: Any, ckpt: Checkpoint, archive: TorchArchive, prefix: str) -> Any:
+    """Small state as plain data: a DeepSpeed record becomes a dict of its state
+    (an enum its value), a tensor an ``obj/`` logical tensor and a link."""
+    if isinstance(value, Record):
+        if isinstance(value.state, dict):
+            return {str(k): _plain(v, ckpt, archive, f"{prefix}/{k}") for k, v in value.state.items()}
+        if len(value.args) == 1 and value.state is None:
+            return _plain(value.args[0], ckpt, archive, prefix)
+        return {"class": value.cls, "args": [_plain(a, ckpt, archive, f"{prefix}/{i}") for i, a in enumerate(value.args)]}
+    if isinstance(value, TensorRef):
+        ckpt.add(_whole(archive, value, prefix, prefix[len(OBJ):]))
+        return TensorLink(prefix)
+    if isinstance(value, dict):
+        return {k: _plain(v, ckpt, archive, f"{prefix}/{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v, ckpt, archive, f"{prefix}/{i}") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return tuple(_plain(v, ckpt, archive, f"{prefix}/{i}") for i, v in enumerate(value))
+    return value
+
+
+def _provenance(
+    ms: dict[str, Any], ranks: list[RankFile], stage: int, variant: str, precision: str, ds_config: dict[str, Any], groups: Groups
+) -> dict[str, Any]:
+    first = ranks[0].osd
+    zero_cfg = ds_config.get("zero_optimization") if isinstance(ds_config.get("zero_optimization"), dict) else {}
+    out: dict[str, Any] = {
+        "variant": variant,
+        "stage": stage,
+        "stage_configured": _stage_of((zero_cfg or {}).get("stage")),
+        "world_size": len(ranks),
+        "precision": precision,
+        "ds_version": ms.get("ds_version") or first.get("ds_version"),
+        "partition_count": first.get("partition_count"),
+        "elastic_checkpoint": stage != 3 and isinstance(first.get("base_optimizer_state"), list),
+        "param_groups": len(groups.members),
+    }
+    if stage == 3:
+        out["sub_groups"] = len(first.get("fp32_flat_groups") or [])
+    else:
+        out["group_paddings"] = [list(rf.osd.get("group_paddings") or []) for rf in ranks]
+        if first.get("param_alignment_paddings") is not None:
+            out["param_alignment_paddings"] = [list(p) for p in first["param_alignment_paddings"]]
+    for key in ("dynamic_loss_scale", "overflow", "clip_grad"):
+        if key in first:
+            out[key] = first[key]
+    for key in ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size"):
+        if isinstance(ms.get(key), int):
+            out[key] = ms[key]
+    out["ds_config"] = ds_config
+    return out
+
+
+def _check_bytes(ckpt: Checkpoint) -> None:
+    """Every chunk's bytes lie inside its file (a truncated file is reported, not read past)."""
+    sizes: dict[Path, int] = {}
+    for t in ckpt.tensors.values():
+        for c in t.chunks:
+            if c.dtype != t.dtype:
+                where = c.file if c.file is not None else ckpt.path
+                raise corrupt(where, f"'{t.name}' is {t.dtype} in one rank's file and {c.dtype} in this one")
+            if c.file is None:
+                continue
+            if c.file not in sizes:
+                sizes[c.file] = c.file.stat().st_size
+            end = c.offset + c.nbytes
+            if end > sizes[c.file]:
+                raise CorruptCheckpointError(
+                    f"{c.file}: the file is {sizes[c.file]} bytes, but '{t.name}' needs bytes up to {end}",
+                    hint="the file is truncated; copy it again from where the run saved it",
+                    path=c.file,
+                )
