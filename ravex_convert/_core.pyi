@@ -1,10 +1,26 @@
-"""Ravex's compiled core (Rust): the reshard planner.
+"""Ravex's compiled core (Rust): the reshard planner, the copy executor,
+checksums, zstd frames and element-wise comparison.
 
 Private: call it through ``ravex_convert``; its surface may change.
+Heavy calls release the GIL. Bad arguments and layouts raise ``ValueError``;
+failing file operations raise ``OSError`` (the subclass for the errno, with
+``filename`` set).
 """
 
 from collections.abc import Sequence
 from typing import Literal, TypeAlias
+
+__all__ = [
+    "__version__",
+    "checksum_ranges",
+    "compare",
+    "compress_range",
+    "decompress_frame",
+    "execute",
+    "plan_runs",
+    "plan_summary",
+    "xxh3_64",
+]
 
 __version__: str
 
@@ -13,6 +29,11 @@ __version__: str
 _Box: TypeAlias = tuple[Literal["box"], Sequence[int], Sequence[int]]  # offsets, sizes
 _Flat: TypeAlias = tuple[Literal["flat"], int, int]  # start, length
 _Region: TypeAlias = _Box | _Flat
+_DType: TypeAlias = Literal["float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"]
+# A chunk stored in a file: (file index, byte offset of its first element, region, dtype).
+_FileChunk: TypeAlias = tuple[int, int, _Region, _DType]
+# One logical tensor to copy: (global shape, source chunks, target chunks).
+_Tensor: TypeAlias = tuple[Sequence[int], Sequence[_FileChunk], Sequence[_FileChunk]]
 
 def plan_runs(
     global_shape: Sequence[int],
@@ -33,4 +54,88 @@ def plan_runs(
     >>> plan_runs([4, 3], [("flat", 0, 6), ("flat", 6, 6)],
     ...           [("box", [0, 0], [1, 3]), ("box", [1, 0], [3, 3])])
     [(0, 0, 0, 0, 3), (1, 0, 3, 0, 3), (1, 1, 0, 3, 6)]
+    """
+
+def execute(
+    sources: Sequence[str | bytes],
+    targets: Sequence[str],
+    tensors: Sequence[_Tensor],
+    threads: int = 0,
+    window_bytes: int = 67108864,
+    sync: bool = True,
+) -> dict[str, int]:
+    """Copy every target chunk's elements from the source chunks.
+
+    ``sources`` are files (mapped read-only) or ``bytes``; a source chunk's
+    file index points into them, a target chunk's into ``targets``. Targets
+    must exist at their final size: nothing is created or truncated, only the
+    target chunks' bytes are written (positional writes), each exactly once.
+    Where a target chunk's dtype differs from its source's, floats are cast
+    (float32/float64/float16/bfloat16, round to nearest even, as torch does);
+    any other dtype change is refused. Runs on ``threads`` threads (0: one per
+    CPU) with at most about ``window_bytes`` of copy buffers; fsyncs every
+    target at the end when ``sync``. Everything is validated before the first
+    byte moves (file indices, regions, coverage, casts, chunk byte ranges
+    against file sizes, overlapping target chunks).
+
+    Returns ``{"bytes_read", "bytes_written", "runs", "pieces"}``.
+    """
+
+def plan_summary(
+    sources: Sequence[str | bytes],
+    targets: Sequence[str],
+    tensors: Sequence[_Tensor],
+    threads: int = 0,
+    window_bytes: int = 67108864,
+) -> dict[str, int | list[int]]:
+    """What ``execute`` would do with the same arguments, without moving a byte.
+
+    Source files must exist (chunk ranges are checked against their sizes);
+    targets need not. Returns ``bytes_read``, ``bytes_written``, ``runs`` and
+    ``pieces`` (ints) and ``per_target_bytes`` (a list: bytes written into
+    each target).
+    """
+
+def checksum_ranges(path: str, ranges: Sequence[tuple[int, int]], algo: Literal["xxh3-64", "crc32"]) -> list[int]:
+    """The checksum of each ``(offset, length)`` byte range of the file, in order.
+
+    ``"xxh3-64"`` is XXH3 64-bit with seed 0; ``"crc32"`` is the CRC-32 that
+    zip archives record. Ranges are hashed in parallel; a range past the end
+    of the file raises ``ValueError``.
+    """
+
+def xxh3_64(data: bytes) -> int:
+    """XXH3 64-bit (seed 0) of ``data``."""
+
+def compress_range(path: str, offset: int, length: int, level: int = 3) -> bytes:
+    """``length`` bytes at ``offset`` of the file, compressed into one independent zstd frame."""
+
+def decompress_frame(path: str, offset: int, stored_len: int, expected_len: int) -> bytes:
+    """The zstd frame of ``stored_len`` bytes at ``offset`` of the file, decompressed.
+
+    Raises ``ValueError`` unless it decompresses to exactly ``expected_len`` bytes.
+    """
+
+def compare(
+    sources: Sequence[str | bytes],
+    shape: Sequence[int],
+    a_chunks: Sequence[_FileChunk],
+    b_chunks: Sequence[_FileChunk],
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    exact: bool = True,
+) -> tuple[int, int | None, float]:
+    """Compare two stored copies of one tensor of global ``shape``, element by element.
+
+    Chunks index ``sources`` on both sides; each side must cover the tensor
+    (where chunks are replicas, the first listed is compared). Returns
+    ``(n_diff, first_diff, max_abs_diff)``: how many elements differ, the
+    flat row-major index of the first that does (``None`` if none), and the
+    largest absolute difference over all elements (0 for NaN against NaN,
+    ``inf`` for NaN against a number).
+
+    With ``exact``, equal dtypes compare bit patterns and different dtypes
+    compare values. Otherwise floats match when
+    ``|a - b| <= atol + rtol * |b|``, NaN matches NaN and an infinity matches
+    only itself. Integers and bools compare exactly in both modes.
     """

@@ -180,6 +180,13 @@ def _ordered_dict(*args: Any) -> collections.OrderedDict[Any, Any]:
     return collections.OrderedDict(*args)
 
 
+def _codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
+    # how pickle protocol 2 spells a bytes object
+    if encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode with encoding {encoding!r}")
+    return text.encode("latin-1")
+
+
 def _layout(name: str) -> str:
     return str(name)
 
@@ -255,6 +262,7 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
     ("builtins", "dict"): dict,
     ("torch", "Size"): _torch_size,
     ("torch.serialization", "_get_layout"): _layout,
+    ("_codecs", "encode"): _codecs_encode,
     ("pathlib", "PosixPath"): _path,
     ("pathlib", "PurePosixPath"): _path,
     ("pathlib", "WindowsPath"): _path,

@@ -1,14 +1,28 @@
-//! Ravex core: the reshard planner, as plain Rust.
+//! Ravex core: the reshard planner and the copy executor, as plain Rust.
 //!
 //! [`geometry`] says where a chunk sits in its logical tensor and which element
 //! runs move between two chunks; [`plan`] turns the source and target chunkings
-//! of one tensor into copy runs that fill every target element exactly once.
-//! Nothing here knows torch or pickle. The Python module `ravex_convert._core`
-//! is a thin layer over this, built only with the `python` feature.
+//! of one tensor into copy runs that fill every target element exactly once;
+//! [`exec`] runs those plans over files (memory maps, casts between float
+//! dtypes from [`dtype`], positional writes, a thread pool, a bounded copy
+//! window). [`checksum`], [`compress`] and [`compare`] hash, frame and compare
+//! chunk bytes. Nothing here knows torch or pickle. The Python module
+//! `ravex_convert._core` is a thin layer over this, built only with the
+//! `python` feature.
 
+pub mod checksum;
+pub mod compare;
+pub mod compress;
+pub mod dtype;
+pub mod exec;
+pub mod files;
 pub mod geometry;
 pub mod plan;
 
+#[cfg(test)]
+mod exec_tests;
+#[cfg(test)]
+mod exec_validation_tests;
 #[cfg(test)]
 mod proptests;
 

@@ -37,7 +37,7 @@ fn local_of(region: &Region, idx: &[u64], g: u64) -> Option<u64> {
 }
 
 /// Global flat index of every element of the region's storage, in storage order.
-fn contents(shape: &[u64], region: &Region) -> Vec<u64> {
+pub(crate) fn contents(shape: &[u64], region: &Region) -> Vec<u64> {
     let mut out = vec![u64::MAX; region.validate(shape).unwrap() as usize];
     for g in 0..numel(shape).unwrap() {
         if let Some(l) = local_of(region, &unravel(g, shape), g) {
@@ -98,7 +98,7 @@ fn check_runs<'a>(
 
 /// Rank 0 to 4, extents up to 4; zero extents are kept rare, since one makes
 /// the whole tensor empty.
-fn shape() -> impl Strategy<Value = Vec<u64>> {
+pub(crate) fn shape() -> impl Strategy<Value = Vec<u64>> {
     let extent = prop_oneof![1 => Just(0u64), 8 => 1u64..=4];
     prop::collection::vec(extent, 0..=4)
 }
@@ -194,7 +194,7 @@ fn tiling(shape: &[u64]) -> BoxedStrategy<Vec<Region>> {
 }
 
 /// A tiling, plus up to two replica regions, in shuffled order.
-fn layout(shape: &[u64]) -> BoxedStrategy<Vec<Region>> {
+pub(crate) fn layout(shape: &[u64]) -> BoxedStrategy<Vec<Region>> {
     (tiling(shape), regions(shape, 0..=2))
         .prop_map(|(mut t, extra)| {
             t.extend(extra);

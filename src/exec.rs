@@ -1,0 +1,443 @@
+//! The copy executor: plans every tensor of a job, turns element runs into
+//! byte copies (casting between float dtypes where the chunks differ), cuts
+//! them into pieces no larger than the copy window allows, and runs the
+//! pieces on a thread pool with positional writes into existing files.
+//!
+//! Memory: a copy without a cast writes straight from the source's memory map
+//! and needs no buffer; a cast converts one piece into a buffer of at most
+//! `window_bytes / threads` bytes, one per thread. Plans are not kept for the
+//! whole job: a first pass plans each tensor to validate and count it, and
+//! drops the plan; the second plans each tensor again just before copying it.
+//! Planning is cheap next to moving the bytes, and this way the heap holds
+//! about one window plus the plans of the tensors in flight, however many
+//! tensors and runs the checkpoint has.
+//!
+//! Validation happens before any byte moves: file indices, regions, the plan's
+//! coverage, casts, chunk byte ranges against file sizes, and target chunks
+//! that would overwrite each other.
+
+use std::cell::RefCell;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+use rayon::prelude::*;
+
+use crate::dtype::{cast_into, check_cast, DType};
+use crate::files::{
+    check_chunk, open_sources, open_targets, source_name, source_sizes, ChunkAt, ChunkRef, Error,
+    Side, Source, SourceData,
+};
+use crate::plan::{plan, Chunk, TargetPlan};
+
+/// The default copy window: what the executor may hold in memory at once.
+pub const DEFAULT_WINDOW_BYTES: u64 = 64 << 20;
+
+/// One logical tensor: its global shape and where its chunks are on each side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorJob {
+    pub shape: Vec<u64>,
+    pub src_chunks: Vec<ChunkRef>,
+    pub dst_chunks: Vec<ChunkRef>,
+}
+
+/// Everything one conversion moves: `ChunkRef::file` indexes `sources` for
+/// source chunks and `targets` for target chunks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Job<'a> {
+    pub sources: Vec<Source<'a>>,
+    pub targets: Vec<PathBuf>,
+    pub tensors: Vec<TensorJob>,
+}
+
+/// How to run a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    /// Worker threads; 0 lets rayon choose (one per CPU, or `RAYON_NUM_THREADS`).
+    pub threads: usize,
+    /// The most bytes of copy buffers held at once, over all threads.
+    pub window_bytes: u64,
+    /// fsync every target after the last write.
+    pub sync: bool,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            threads: 0,
+            window_bytes: DEFAULT_WINDOW_BYTES,
+            sync: true,
+        }
+    }
+}
+
+/// What a job moved (or, from [`plan_summary`], would move).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    /// Element runs from the plans.
+    pub runs: u64,
+    /// Copies after cutting runs to the window.
+    pub pieces: u64,
+}
+
+/// [`Stats`] plus the bytes written into each target, in target order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Summary {
+    pub stats: Stats,
+    pub per_target_bytes: Vec<u64>,
+}
+
+/// One copy: `elems` elements from byte `src_off` of source `src` to byte
+/// `dst_off` of target `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Piece {
+    pub src: usize,
+    pub src_off: u64,
+    pub dst: usize,
+    pub dst_off: u64,
+    pub elems: u64,
+    pub from: DType,
+    pub to: DType,
+}
+
+impl Piece {
+    pub fn src_bytes(&self) -> u64 {
+        self.elems * self.from.size() as u64
+    }
+
+    pub fn dst_bytes(&self) -> u64 {
+        self.elems * self.to.size() as u64
+    }
+}
+
+/// The pool a job runs on.
+pub(crate) fn pool(threads: usize) -> Result<rayon::ThreadPool, Error> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("ravex-copy-{i}"))
+        .build()
+        .map_err(|e| Error::Invalid(format!("cannot start {threads} copy threads: {e}")))
+}
+
+/// How runs are cut: the most elements one piece may hold so that a buffer
+/// for either side stays within its thread's share of the window.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cut {
+    share: u64,
+}
+
+impl Cut {
+    pub(crate) fn new(window_bytes: u64, threads: usize) -> Result<Cut, Error> {
+        if window_bytes == 0 {
+            return Err(Error::Invalid("window_bytes must be positive".into()));
+        }
+        Ok(Cut {
+            share: window_bytes / threads.max(1) as u64,
+        })
+    }
+
+    fn elems(self, from: DType, to: DType) -> u64 {
+        (self.share / from.size().max(to.size()) as u64).max(1)
+    }
+}
+
+/// Where the job's files are, for validation: sizes of the sources, and of
+/// the targets where they are known (not for a dry run, where targets need
+/// not exist yet).
+#[derive(Clone, Copy)]
+pub(crate) struct Sizes<'s> {
+    pub sources: &'s [u64],
+    pub targets: Option<&'s [u64]>,
+}
+
+/// Plans tensor `t` and checks everything about it against the files.
+fn plan_tensor(job: &Job<'_>, t: usize, sizes: Sizes<'_>) -> Result<Vec<TargetPlan>, Error> {
+    let tensor = &job.tensors[t];
+    let ids = |chunks: &[ChunkRef]| -> Vec<Chunk> {
+        chunks
+            .iter()
+            .enumerate()
+            .map(|(id, c)| Chunk {
+                id,
+                region: c.region.clone(),
+            })
+            .collect()
+    };
+    let plans = plan(
+        &tensor.shape,
+        &ids(&tensor.src_chunks),
+        &ids(&tensor.dst_chunks),
+    )
+    .map_err(|error| Error::Plan { tensor: t, error })?;
+    // The plan validated every region, so `validate` only returns lengths here.
+    let elems = |c: &ChunkRef| c.region.validate(&tensor.shape).unwrap_or(0);
+    for (i, c) in tensor.src_chunks.iter().enumerate() {
+        let at = ChunkAt {
+            tensor: Some(t),
+            side: Side::Source,
+            chunk: i,
+        };
+        check_chunk(
+            at,
+            c,
+            elems(c),
+            job.sources.len(),
+            Some(sizes.sources),
+            |f| source_name(&job.sources, f),
+        )?;
+    }
+    for (i, c) in tensor.dst_chunks.iter().enumerate() {
+        let at = ChunkAt {
+            tensor: Some(t),
+            side: Side::Target,
+            chunk: i,
+        };
+        check_chunk(at, c, elems(c), job.targets.len(), sizes.targets, |f| {
+            job.targets[f].display().to_string()
+        })?;
+    }
+    for p in &plans {
+        let dst = &tensor.dst_chunks[p.target_id];
+        for r in &p.runs {
+            check_cast(tensor.src_chunks[r.source_id].dtype, dst.dtype).map_err(|e| {
+                Error::Invalid(format!(
+                    "tensor {t}: source chunk {} to target chunk {}: {e}",
+                    r.source_id, p.target_id
+                ))
+            })?;
+        }
+    }
+    Ok(plans)
+}
+
+/// The pieces of one planned tensor, in parallel: every run cut into pieces
+/// of at most `cut` elements, each turned into byte offsets.
+fn pieces<'p>(
+    tensor: &'p TensorJob,
+    plans: &'p [TargetPlan],
+    cut: Cut,
+) -> impl ParallelIterator<Item = Piece> + 'p {
+    plans
+        .par_iter()
+        .flat_map(|p| p.runs.par_iter().map(move |r| (p.target_id, r)))
+        .flat_map(move |(target_id, r)| {
+            let src = &tensor.src_chunks[r.source_id];
+            let dst = &tensor.dst_chunks[target_id];
+            let (from, to) = (src.dtype, dst.dtype);
+            let step = cut.elems(from, to);
+            (0..r.run.len.div_ceil(step)).into_par_iter().map(move |k| {
+                let done = k * step;
+                Piece {
+                    src: src.file,
+                    src_off: src.offset + (r.run.src_elem + done) * from.size() as u64,
+                    dst: dst.file,
+                    dst_off: dst.offset + (r.run.dst_elem + done) * to.size() as u64,
+                    elems: step.min(r.run.len - done),
+                    from,
+                    to,
+                }
+            })
+        })
+}
+
+/// What each tensor moves, and that all of it is valid: the first pass.
+/// Returns the job's stats and the bytes written into each target.
+fn validate(job: &Job<'_>, sizes: Sizes<'_>, cut: Cut) -> Result<Summary, Error> {
+    check_target_overlaps(job)?;
+    // Per tensor: its stats and (target, bytes) for each run, kept sparse so
+    // that many tensors times many targets costs nothing.
+    let per_tensor = |t: usize| -> Result<(Stats, Vec<(usize, u64)>), Error> {
+        let plans = plan_tensor(job, t, sizes)?;
+        let tensor = &job.tensors[t];
+        let mut stats = Stats::default();
+        let mut written = Vec::new();
+        for p in &plans {
+            let dst = &tensor.dst_chunks[p.target_id];
+            for r in &p.runs {
+                let from = tensor.src_chunks[r.source_id].dtype;
+                stats.runs += 1;
+                stats.pieces += r.run.len.div_ceil(cut.elems(from, dst.dtype));
+                stats.bytes_read += r.run.len * from.size() as u64;
+                let n = r.run.len * dst.dtype.size() as u64;
+                stats.bytes_written += n;
+                written.push((dst.file, n));
+            }
+        }
+        Ok((stats, written))
+    };
+    let empty = || Summary {
+        stats: Stats::default(),
+        per_target_bytes: vec![0; job.targets.len()],
+    };
+    let add = |mut a: Summary, b: &Stats| {
+        a.stats.runs += b.runs;
+        a.stats.pieces += b.pieces;
+        a.stats.bytes_read += b.bytes_read;
+        a.stats.bytes_written += b.bytes_written;
+        a
+    };
+    (0..job.tensors.len())
+        .into_par_iter()
+        .map(per_tensor)
+        .try_fold(empty, |acc, tensor| {
+            let (stats, written) = tensor?;
+            let mut acc = add(acc, &stats);
+            for (file, n) in written {
+                acc.per_target_bytes[file] += n;
+            }
+            Ok::<_, Error>(acc)
+        })
+        .try_reduce(empty, |a, b| {
+            let mut a = add(a, &b.stats);
+            for (x, y) in a.per_target_bytes.iter_mut().zip(&b.per_target_bytes) {
+                *x += y;
+            }
+            Ok(a)
+        })
+}
+
+/// Every piece of the job, in order (for tests: the executor never holds
+/// them all).
+#[cfg(test)]
+pub(crate) fn build_pieces(
+    job: &Job<'_>,
+    sizes: Sizes<'_>,
+    window_bytes: u64,
+    threads: usize,
+) -> Result<(Vec<Piece>, u64), Error> {
+    let cut = Cut::new(window_bytes, threads)?;
+    let summary = validate(job, sizes, cut)?;
+    let mut all = Vec::new();
+    for t in 0..job.tensors.len() {
+        let plans = plan_tensor(job, t, sizes)?;
+        let mut p: Vec<Piece> = pieces(&job.tensors[t], &plans, cut).collect();
+        all.append(&mut p);
+    }
+    Ok((all, summary.stats.runs))
+}
+
+/// Refuses two target chunks whose byte ranges share a byte: the result
+/// would depend on which write lands last.
+fn check_target_overlaps(job: &Job<'_>) -> Result<(), Error> {
+    // (file, start, end, tensor, chunk); chunks past their file are reported
+    // later with a better message, so saturate here.
+    let mut ranges: Vec<(usize, u64, u64, usize, usize)> = Vec::new();
+    for (t, tensor) in job.tensors.iter().enumerate() {
+        for (i, c) in tensor.dst_chunks.iter().enumerate() {
+            let Ok(elems) = c.region.validate(&tensor.shape) else {
+                continue;
+            };
+            let len = elems.saturating_mul(c.dtype.size() as u64);
+            if len > 0 {
+                ranges.push((c.file, c.offset, c.offset.saturating_add(len), t, i));
+            }
+        }
+    }
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        let ((fa, sa, ea, ta, ca), (fb, sb, eb, tb, cb)) = (w[0], w[1]);
+        if fa == fb && sb < ea {
+            return Err(Error::TargetOverlap {
+                file: job
+                    .targets
+                    .get(fa)
+                    .map_or_else(|| format!("target {fa}"), |p| p.display().to_string()),
+                tensor: tb,
+                chunk: cb,
+                start: sb,
+                end: eb,
+                other_tensor: ta,
+                other_chunk: ca,
+                other_start: sa,
+                other_end: ea,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// What [`execute`] would do, without opening the targets or moving a byte.
+/// Source files must exist (their sizes are checked); targets need not.
+pub fn plan_summary(job: &Job<'_>, options: &Options) -> Result<Summary, Error> {
+    let source_sizes = source_sizes(&job.sources)?;
+    let pool = pool(options.threads)?;
+    let cut = Cut::new(options.window_bytes, pool.current_num_threads())?;
+    let sizes = Sizes {
+        sources: &source_sizes,
+        targets: None,
+    };
+    pool.install(|| validate(job, sizes, cut))
+}
+
+/// Runs the job: every target chunk is filled from the source chunks, each
+/// target byte written once, then (with `options.sync`) every target fsynced.
+/// Targets must already exist at their final size; bytes outside target
+/// chunks are left as they are. Nothing is written unless the whole job is
+/// valid.
+pub fn execute(job: &Job<'_>, options: &Options) -> Result<Stats, Error> {
+    let sources = open_sources(&job.sources)?;
+    let targets = open_targets(&job.targets)?;
+    let source_sizes: Vec<u64> = sources.iter().map(|s| s.bytes().len() as u64).collect();
+    let target_sizes: Vec<u64> = targets.iter().map(|(_, len)| *len).collect();
+    let sizes = Sizes {
+        sources: &source_sizes,
+        targets: Some(&target_sizes),
+    };
+    let pool = pool(options.threads)?;
+    let cut = Cut::new(options.window_bytes, pool.current_num_threads())?;
+    pool.install(|| {
+        let summary = validate(job, sizes, cut)?;
+        (0..job.tensors.len()).into_par_iter().try_for_each(|t| {
+            let plans = plan_tensor(job, t, sizes)?;
+            pieces(&job.tensors[t], &plans, cut)
+                .try_for_each(|p| run_piece(&p, &sources, &targets, &job.targets))
+        })?;
+        if options.sync {
+            targets
+                .par_iter()
+                .zip(&job.targets)
+                .try_for_each(|((f, _), path)| {
+                    f.sync_all()
+                        .map_err(|e| Error::io("cannot fsync target file", path, e))
+                })?;
+        }
+        Ok(summary.stats)
+    })
+}
+
+thread_local! {
+    /// A copy thread's cast buffer, reused from piece to piece; it goes when
+    /// the job's pool does.
+    static CAST_BUFFER: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One piece: a positional write straight from the source bytes, or through
+/// the thread's buffer when the dtypes differ.
+fn run_piece(
+    p: &Piece,
+    sources: &[SourceData<'_>],
+    targets: &[(File, u64)],
+    paths: &[PathBuf],
+) -> Result<(), Error> {
+    // Validated against the sizes before the first piece ran.
+    let start = p.src_off as usize;
+    let src = &sources[p.src].bytes()[start..start + p.src_bytes() as usize];
+    let write = |data: &[u8]| {
+        targets[p.dst]
+            .0
+            .write_all_at(data, p.dst_off)
+            .map_err(|e| Error::io("cannot write to target file", &paths[p.dst], e))
+    };
+    if p.from == p.to {
+        return write(src);
+    }
+    CAST_BUFFER.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.clear();
+        buf.resize(p.dst_bytes() as usize, 0);
+        cast_into(p.from, p.to, src, &mut buf);
+        write(&buf)
+    })
+}

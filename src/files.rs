@@ -1,0 +1,302 @@
+//! Where chunk bytes live: source files mapped read-only, in-memory buffers,
+//! and target files written in place; plus the checks that every chunk's
+//! byte range lies inside its file before any byte moves.
+//!
+//! A source is mapped rather than read so that copies need no buffer of their
+//! own: a copy without a cast hands the mapped slice straight to `pwrite`, and
+//! the page cache, not the heap, holds what is in flight. A file truncated
+//! after its size was checked can still fault (SIGBUS) on access; nothing
+//! short of reading into our own buffers avoids that, and that costs the
+//! memory bound.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+
+use memmap2::{Advice, Mmap};
+use thiserror::Error;
+
+use crate::dtype::{DType, DTypeError};
+use crate::geometry::Region;
+use crate::plan::PlanError;
+
+/// Where a source's bytes come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source<'a> {
+    /// A file, mapped read-only.
+    Path(PathBuf),
+    /// Bytes the caller already holds (small tensors pickled inline).
+    Bytes(&'a [u8]),
+}
+
+/// Which side of a copy, or of a comparison, a chunk is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Source,
+    Target,
+    /// The first of two compared copies (read from the sources).
+    A,
+    /// The second of two compared copies (read from the sources).
+    B,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Source => "source",
+            Side::Target => "target",
+            Side::A => "a-side",
+            Side::B => "b-side",
+        })
+    }
+}
+
+/// One chunk of a tensor on disk: element 0 of its region's row-major storage
+/// is at byte `offset` of file `file` (an index into the sources or targets).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkRef {
+    pub file: usize,
+    pub offset: u64,
+    pub region: Region,
+    pub dtype: DType,
+}
+
+/// Everything that can go wrong moving, hashing or comparing chunk bytes.
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error("{action} {}: {source}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    DType(#[from] DTypeError),
+    #[error("tensor {tensor}: {error}")]
+    Plan { tensor: usize, error: PlanError },
+    #[error("{at}: file index {index} is out of range; there are {count} {files} files")]
+    FileIndex {
+        at: ChunkAt,
+        index: usize,
+        count: usize,
+        files: &'static str,
+    },
+    #[error(
+        "{at}: {file} is {actual} bytes, but the chunk needs \
+         bytes {offset}..{end}, a file of at least {end} bytes\nhint: {hint}"
+    )]
+    OutOfFile {
+        at: ChunkAt,
+        file: String,
+        offset: u64,
+        end: u128,
+        actual: u64,
+        hint: &'static str,
+    },
+    #[error(
+        "{file}: tensor {tensor} chunk {chunk} (bytes {start}..{end}) overlaps tensor \
+         {other_tensor} chunk {other_chunk} (bytes {other_start}..{other_end})\n\
+         hint: each target byte may be written by one chunk only"
+    )]
+    TargetOverlap {
+        file: String,
+        tensor: usize,
+        chunk: usize,
+        start: u64,
+        end: u64,
+        other_tensor: usize,
+        other_chunk: usize,
+        other_start: u64,
+        other_end: u64,
+    },
+    #[error("the byte range {offset}+{len} reaches past the end of {} ({actual} bytes)", path.display())]
+    RangeOutOfFile {
+        path: PathBuf,
+        offset: u64,
+        len: u64,
+        actual: u64,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Error {
+    pub(crate) fn io(action: &'static str, path: &Path, source: io::Error) -> Error {
+        Error::Io {
+            action,
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// The bytes of one source, readable from any thread.
+pub(crate) enum SourceData<'a> {
+    Map(Mmap),
+    Bytes(&'a [u8]),
+    /// An empty file: mapping zero bytes is an error on Linux.
+    Empty,
+}
+
+impl SourceData<'_> {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            SourceData::Map(m) => m,
+            SourceData::Bytes(b) => b,
+            SourceData::Empty => &[],
+        }
+    }
+}
+
+/// Maps a file read-only, whole.
+pub(crate) fn map_file(path: &Path) -> Result<SourceData<'static>, Error> {
+    let file = File::open(path).map_err(|e| Error::io("cannot open source file", path, e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| Error::io("cannot read the size of", path, e))?
+        .len();
+    if len == 0 {
+        return Ok(SourceData::Empty);
+    }
+    // SAFETY: the map is only read. Another process truncating the file while
+    // it is mapped would fault; that is the documented limit of mapping.
+    let map =
+        unsafe { Mmap::map(&file) }.map_err(|e| Error::io("cannot map source file", path, e))?;
+    // Copies read each range once, front to back; read-ahead helps, and a
+    // failed hint changes nothing.
+    let _ = map.advise(Advice::Sequential);
+    Ok(SourceData::Map(map))
+}
+
+/// Opens every source: files are mapped, buffers borrowed.
+pub(crate) fn open_sources<'a>(sources: &[Source<'a>]) -> Result<Vec<SourceData<'a>>, Error> {
+    sources
+        .iter()
+        .map(|s| match s {
+            Source::Path(p) => map_file(p),
+            Source::Bytes(b) => Ok(SourceData::Bytes(b)),
+        })
+        .collect()
+}
+
+/// The size of each source without mapping it (for plans that move nothing).
+pub(crate) fn source_sizes(sources: &[Source<'_>]) -> Result<Vec<u64>, Error> {
+    sources
+        .iter()
+        .map(|s| match s {
+            Source::Path(p) => std::fs::metadata(p)
+                .map(|m| m.len())
+                .map_err(|e| Error::io("cannot read the size of source file", p, e)),
+            Source::Bytes(b) => Ok(b.len() as u64),
+        })
+        .collect()
+}
+
+/// Opens the targets for positional writes: they must exist already, at
+/// their final size; nothing is created or truncated.
+pub(crate) fn open_targets(targets: &[PathBuf]) -> Result<Vec<(File, u64)>, Error> {
+    targets
+        .iter()
+        .map(|p| {
+            let file = OpenOptions::new()
+                .write(true)
+                .open(p)
+                .map_err(|e| Error::io("cannot open target file for writing", p, e))?;
+            let len = file
+                .metadata()
+                .map_err(|e| Error::io("cannot read the size of", p, e))?
+                .len();
+            Ok((file, len))
+        })
+        .collect()
+}
+
+/// How a file is named in messages.
+pub(crate) fn source_name(sources: &[Source<'_>], index: usize) -> String {
+    match &sources[index] {
+        Source::Path(p) => p.display().to_string(),
+        Source::Bytes(_) => format!("source {index} (an in-memory buffer)"),
+    }
+}
+
+/// A chunk's place in the job, for messages: "tensor 3, source chunk 2".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkAt {
+    /// The tensor's index in the job; none in a comparison of one tensor.
+    pub tensor: Option<usize>,
+    pub side: Side,
+    pub chunk: usize,
+}
+
+impl fmt::Display for ChunkAt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(t) = self.tensor {
+            write!(f, "tensor {t}, ")?;
+        }
+        write!(f, "{} chunk {}", self.side, self.chunk)
+    }
+}
+
+/// Checks that a chunk names one of the job's `count` files and, where the
+/// files' sizes are given, that its `elems` elements fit in its file; returns
+/// the byte range `start..end`.
+pub(crate) fn check_chunk(
+    at: ChunkAt,
+    chunk: &ChunkRef,
+    elems: u64,
+    count: usize,
+    sizes: Option<&[u64]>,
+    name: impl Fn(usize) -> String,
+) -> Result<(u64, u64), Error> {
+    if chunk.file >= count {
+        return Err(Error::FileIndex {
+            at,
+            index: chunk.file,
+            count,
+            files: if at.side == Side::Target {
+                "target"
+            } else {
+                "source"
+            },
+        });
+    }
+    let size = sizes.map_or(u64::MAX, |s| s[chunk.file]);
+    // In u128 so that an absurd offset still gets an exact message.
+    let end = u128::from(elems) * chunk.dtype.size() as u128 + u128::from(chunk.offset);
+    match u64::try_from(end) {
+        Ok(end) if end <= size => Ok((chunk.offset, end)),
+        _ => Err(Error::OutOfFile {
+            at,
+            file: name(chunk.file),
+            offset: chunk.offset,
+            end,
+            actual: size,
+            hint: match at.side {
+                Side::Target => "create each target file at its final size before executing",
+                _ => "the file is truncated, or the chunk's offset, shape or dtype is wrong",
+            },
+        }),
+    }
+}
+
+/// Checks that `offset..offset + len` lies inside a file of `size` bytes and
+/// returns it as a slice range.
+pub(crate) fn check_range(
+    path: &Path,
+    size: u64,
+    offset: u64,
+    len: u64,
+) -> Result<std::ops::Range<usize>, Error> {
+    match offset.checked_add(len) {
+        // Inside a mapped file, so within usize.
+        Some(end) if end <= size => Ok(offset as usize..end as usize),
+        _ => Err(Error::RangeOutOfFile {
+            path: path.to_path_buf(),
+            offset,
+            len,
+            actual: size,
+        }),
+    }
+}
