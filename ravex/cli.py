@@ -9,8 +9,11 @@ success, 1 "difference found" (verify), 2 or more for errors (see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 import click
@@ -64,6 +67,99 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
         click.echo(json.dumps(info.to_json(tensors=tensors), indent=2))
         return
     _render(info, tensors)
+
+
+@main.command("convert")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@click.option("--to", "to", required=True, type=click.Choice(["safetensors", "torch_save", "native"]), help="Output format.")
+@click.option("--weights-only", is_flag=True, help="Leave the optimizer state and other training state out.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default=None,
+              help="Cast floating-point weights on the way out (optimizer state is never cast).")
+@click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove PREFIX from names (e.g. 'module.', '_orig_mod.'); repeatable.")
+@click.option("--max-shard-size", default=None, metavar="SIZE", help="safetensors: split into shards of at most SIZE (e.g. 5GB) with an index.")
+@click.option("--compression", type=click.Choice(["none", "zstd"]), default=None, help="native: compress chunks with zstd.")
+@click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
+@click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
+@click.option("--param-names", "param_names_file", default=None, metavar="FILE",
+              help="torch.save source with position-keyed optimizer state: the parameter names in optimizer order, one per line.")
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, copy runs) and write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
+                compression: str | None, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
+                as_json: bool, quiet: bool) -> None:
+    """Convert the checkpoint at SRC to another format at DST (bit-exact; weights as the fp32 master copy where SRC has one)."""
+    try:
+        names = _read_names(param_names_file)
+        with _progress(quiet) as progress:
+            result = ravex_convert.convert(src, dst, to, tag=tag, index=index, weights_only=weights_only, dtype=dtype,
+                                           strip_prefix=strip_prefix, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
+                                           compression=compression, param_names=names, progress=progress)
+    except RavexError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+        return
+    for note in result.get("notes", []):
+        err.print(f"note: {note}", markup=False)
+    if result.get("dry_run"):
+        out.print(f"plan: {result['source_format']} -> {to} at {dst}: {result['tensors']} tensors ({result['aliases']} aliases), "
+                  f"{_human_bytes(result['bytes_read'])} read from {result['source_files']} file(s), "
+                  f"{_human_bytes(result['bytes_written'])} written, {result['runs']} copy runs; nothing written (--dry-run)", markup=False)
+        return
+    out.print(f"wrote {dst} ({to}): {result.get('tensors')} tensors, {_human_bytes(int(result.get('bytes', result.get('bytes_written', 0))))} "
+              f"in {result.get('seconds', 0):.2f} s", markup=False)
+
+
+@main.command("verify")
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str))
+@click.option("--weights-only", is_flag=True, help="Compare model weights only, not optimizer state.")
+@click.option("--atol", default=0.0, show_default=True, help="Absolute tolerance (default: bit-exact).")
+@click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance (default: bit-exact).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify_cmd(a: str, b: str, weights_only: bool, atol: float, rtol: float, as_json: bool) -> None:
+    """Compare two checkpoints of any formats tensor by tensor. Exit 0: identical; 1: different; 2 or more: error."""
+    try:
+        result = ravex_convert.verify(a, b, weights_only=weights_only, atol=atol, rtol=rtol)
+    except RavexError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    elif result.identical:
+        how = "bit-identical" if result.exact else f"equal within atol={atol}, rtol={rtol}"
+        out.print(f"identical: {result.compared} tensors, {result.elements:,} elements {how}", markup=False)
+    else:
+        first = result.differences[0]
+        where = f" (first at {first.first_index}, max |a-b| {first.max_abs_diff:.6g})" if first.first_index is not None and first.max_abs_diff is not None else ""
+        out.print(f"different: {len(result.differences)} tensor(s) differ; first: {first.name}: {first.detail}{where}", markup=False)
+    sys.exit(0 if result.identical else 1)
+
+
+def _read_names(path: str | None) -> list[str] | None:
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise RavexError(f"{path}: cannot be read ({exc.strerror})", hint="--param-names takes a text file, one parameter name per line") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+@contextlib.contextmanager
+def _progress(quiet: bool) -> Iterator[Callable[[int], None] | None]:
+    """A rich progress bar on stderr (bytes, rate, ETA); none when quiet or not a terminal."""
+    if quiet or not err.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("converting", total=None)
+        yield lambda n: bar.advance(task, n)
 
 
 def _render(info: CheckpointInfo, tensors: bool) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .detect import Detection, detect, inspect
+from .convert import convert, load_state_dict
+from .detect import Detection, detect, inspect, read_checkpoint
 from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -19,6 +20,8 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .info import CheckpointInfo, TensorInfo
+from .model import Checkpoint
+from .verify import VerifyResult, verify
 
 try:
     __version__ = version("ravex")
@@ -26,6 +29,7 @@ except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "Checkpoint",
     "CheckpointInfo",
     "CorruptCheckpointError",
     "Detection",
@@ -36,7 +40,12 @@ __all__ = [
     "TensorInfo",
     "UnknownFormatError",
     "UnsafeCheckpointError",
+    "VerifyResult",
     "__version__",
+    "convert",
     "detect",
     "inspect",
+    "load_state_dict",
+    "read_checkpoint",
+    "verify",
 ]

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import NotFoundError, UnknownFormatError
+from .errors import NotFoundError, RavexError, UnknownFormatError
 from .formats import dcp, native, safetensors, torch_save, zero
 from .info import CheckpointInfo
+from .model import Checkpoint
 
-__all__ = ["Detection", "detect", "inspect"]
+__all__ = ["Detection", "detect", "inspect", "read_checkpoint"]
 
 # Order matters where layouts nest: a native store or a DCP directory may hold
 # safetensors or .pt files, and a ZeRO root holds .pt files.
@@ -86,3 +87,22 @@ def inspect(path: str | Path, *, tag: str | None = None, index: int = -1) -> Che
     if d.format == "safetensors":
         return safetensors.describe(d.path, d.reasons)
     return torch_save.describe(d.path, d.reasons)
+
+
+def read_checkpoint(path: str | Path, *, tag: str | None = None, index: int = -1, param_names: list[str] | None = None) -> Checkpoint:
+    """The checkpoint at ``path`` in the one model every format is read into
+    (logical tensors located in their files; nothing loaded). ``param_names``:
+    for a torch.save file whose optimizer state is keyed by position, the
+    parameter names in that order."""
+    d = detect(path)
+    if param_names is not None and d.format != "torch_save":
+        raise RavexError("--param-names applies to torch.save files with position-keyed optimizer state only", hint="leave it out")
+    if d.format == "zero":
+        return zero.read(d.path, tag=tag)
+    if d.format == "dcp":
+        return dcp.read(d.path)
+    if d.format == "native":
+        return native.read(d.path, index=index)
+    if d.format == "safetensors":
+        return safetensors.read(d.path)
+    return torch_save.read(d.path, param_names)

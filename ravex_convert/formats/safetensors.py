@@ -13,9 +13,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from .._engine import CopyJob, Target
+from .._output import Options, out_dtype, staged
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
-from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor
+from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize
 
 __all__ = ["DTYPES", "INDEX_NAME", "describe", "read_header", "sniff"]
 
@@ -202,3 +204,82 @@ def read(path: Path) -> Checkpoint:
             except (json.JSONDecodeError, TypeError, AttributeError):
                 ckpt.notes.append(f"{file.name}: unreadable 'ravex.aliases' metadata ignored")
     return ckpt
+
+
+_CODES = {v: k for k, v in DTYPES.items()}
+
+
+def _plan_shards(tensors: list[LogicalTensor], opts: Options, single: bool) -> list[list[LogicalTensor]]:
+    limit = opts.max_shard_size
+    if single or not limit:
+        return [tensors]
+    shards: list[list[LogicalTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        n = t.numel * itemsize(out_dtype(t, opts))
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += n
+    return shards
+
+
+def _header(tensors: list[LogicalTensor], opts: Options, metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offsets = []
+    pos = 0
+    for t in tensors:
+        dtype = out_dtype(t, opts)
+        n = t.numel * itemsize(dtype)
+        header[t.name[len(MODEL):]] = {"dtype": _CODES[dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        offsets.append(pos)
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+    """Weights only: ``model/*`` tensors as safetensors. DST ending in
+    ``.safetensors`` is one file; otherwise a directory with ``model.safetensors``
+    or, with ``max_shard_size``, shards and ``model.safetensors.index.json``.
+    Tied names are stored once and listed in ``__metadata__["ravex.aliases"]``."""
+    tensors = [t for n, t in ckpt.tensors.items() if n.startswith(MODEL)]
+    for t in tensors:
+        if out_dtype(t, opts) not in _CODES:
+            raise RavexError(f"tensor '{t.name[len(MODEL):]}' has dtype {t.dtype}, which safetensors cannot hold")
+    aliases = {a[len(MODEL):]: b[len(MODEL):] for a, b in ckpt.aliases.items() if a.startswith(MODEL)}
+    metadata = {"format": "pt"}
+    if aliases:
+        metadata["ravex.aliases"] = json.dumps(aliases, sort_keys=True)
+    single = dst.suffix == ".safetensors"
+    shards = _plan_shards(tensors, opts, single)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    job = CopyJob()
+    total = 0
+    with staged(dst, opts.force) as tmp:
+        if not single:
+            tmp.mkdir()
+        weight_map: dict[str, str] = {}
+        for fname, shard in zip(names, shards):
+            path = tmp if single else tmp / fname
+            head, offsets = _header(shard, opts, metadata)
+            size = len(head) + sum(t.numel * itemsize(out_dtype(t, opts)) for t in shard)
+            with open(path, "wb") as f:
+                f.write(head)
+                f.truncate(size)
+            total += size
+            ti = job.target(path)
+            for t, off in zip(shard, offsets):
+                job.add(t, [Target(ti, len(head) + off, t.whole(), out_dtype(t, opts))])
+                weight_map[t.name[len(MODEL):]] = fname
+        job.run(progress=progress)
+        if n > 1:
+            meta: dict[str, Any] = {"total_size": sum(t.numel * itemsize(out_dtype(t, opts)) for t in tensors)}
+            if aliases:
+                meta["ravex.aliases"] = metadata["ravex.aliases"]
+            index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    return {"files": names if not single else [dst.name], "tensors": len(tensors), "bytes": total, "aliases": aliases}

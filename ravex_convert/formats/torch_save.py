@@ -9,13 +9,19 @@ Layouts people actually have (DESIGN.md, "conventions"):
 
 from __future__ import annotations
 
+import os
 import struct
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from .. import _core
+from .._engine import CopyJob, Target
+from .._output import Options, out_dtype, staged
+from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from .._torchzip import TorchArchive, is_torch_zip, open_archive
 from .._unpickle import TensorRef
-from ..errors import CorruptCheckpointError, LayoutMismatchError, UnknownFormatError
+from ..errors import CorruptCheckpointError, LayoutMismatchError, RavexError, UnknownFormatError
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
 
@@ -178,35 +184,69 @@ def _gather_strided(archive: TorchArchive, ref: TensorRef) -> bytes:
     return bytes(np.ascontiguousarray(view).tobytes())
 
 
-def _param_names_by_order(sd: dict[str, TensorRef], aliases: dict[str, str], optim: dict[str, Any]) -> dict[Any, str]:
-    """torch's optimizer.state_dict() keys parameters by position. Positions follow
-    model.parameters(): state-dict order with buffers and tied duplicates left out.
-    Buffers are not marked in a state dict, so a name is skipped when its shape
-    cannot be the next parameter's (its exp_avg has another shape)."""
-    ids = [pid for g in optim.get("param_groups") or [] for pid in g.get("params", [])]
+def _embed(cands: list[str], shapes: list[tuple[int, ...] | None], sd: dict[str, TensorRef], used: set[str], reverse: bool) -> list[str] | None:
+    """The earliest (or, with ``reverse``, latest) order-preserving match of a
+    group's state shapes to unused model entries."""
+    order = list(reversed(cands)) if reverse else cands
+    wants = list(reversed(shapes)) if reverse else shapes
+    out: list[str] = []
+    pos = 0
+    for want in wants:
+        while pos < len(order) and (order[pos] in used or (want is not None and sd[order[pos]].shape != want)):
+            pos += 1
+        if pos >= len(order):
+            return None
+        out.append(order[pos])
+        pos += 1
+    return list(reversed(out)) if reverse else out
+
+
+def _param_names_by_order(sd: dict[str, TensorRef], aliases: dict[str, str], optim: dict[str, Any],
+                          param_names: list[str] | None) -> dict[Any, str]:
+    """torch's optimizer.state_dict() keys parameters by position in its param
+    groups; the file does not say which parameter each position was. With
+    ``param_names`` (the names in position order) that is given. Otherwise each
+    group is matched, in order, to model entries whose shapes fit its state — and
+    only when that match is the only one (buffers and frozen parameters can look
+    like parameters); an ambiguous file is refused rather than guessed."""
     state = optim.get("state") or {}
+    groups = [list(g.get("params", [])) for g in optim.get("param_groups") or []]
+    ids = [pid for g in groups for pid in g]
+    hint = ("pass the parameter names in optimizer order (--param-names FILE: one name per line, group after group), "
+            "or save the optimizer keyed by name (torch.distributed.checkpoint.state_dict.get_state_dict), or convert with --weights-only")
+    if param_names is not None:
+        if len(param_names) != len(ids):
+            raise LayoutMismatchError(f"--param-names lists {len(param_names)} names; the optimizer state has {len(ids)} parameters", hint=hint)
+        missing = [n for n in param_names if n not in sd]
+        if missing:
+            raise LayoutMismatchError(f"--param-names names '{missing[0]}', which is not in the model state dict", hint=hint)
+        return dict(zip(ids, param_names))
     candidates = [n for n in sd if n not in aliases]
+    used: set[str] = set()
     out: dict[Any, str] = {}
-    i = 0
-    for pid in ids:
-        want = None
-        per = state.get(pid)
-        if isinstance(per, dict):
-            ref = next((v for k, v in per.items() if k != "step" and isinstance(v, TensorRef)), None)
-            want = ref.shape if ref is not None else None
-        while i < len(candidates) and want is not None and sd[candidates[i]].shape != want:
-            i += 1
-        if i >= len(candidates):
+    for g in groups:
+        shapes: list[tuple[int, ...] | None] = []
+        for pid in g:
+            per = state.get(pid)
+            ref = next((v for k, v in per.items() if k != "step" and isinstance(v, TensorRef)), None) if isinstance(per, dict) else None
+            shapes.append(ref.shape if ref is not None else None)
+        early = _embed(candidates, shapes, sd, used, reverse=False)
+        late = _embed(candidates, shapes, sd, used, reverse=True)
+        if early is None or late is None:
+            raise LayoutMismatchError("the optimizer state keys parameters by position, and its shapes do not match the model's entries in order", hint=hint)
+        if early != late:
+            diff = next(i for i, (x, y) in enumerate(zip(early, late)) if x != y)
             raise LayoutMismatchError(
-                "the optimizer state keys parameters by position, and its shapes do not match the model's parameters in order",
-                hint="save the optimizer state keyed by name (torch.distributed.checkpoint.state_dict.get_state_dict) and convert that",
+                f"the optimizer state keys parameters by position, and position {g[diff]} could be '{early[diff]}' or '{late[diff]}' "
+                "(a plain state dict does not mark which entries are buffers)",
+                hint=hint,
             )
-        out[pid] = candidates[i]
-        i += 1
+        out.update(zip(g, early))
+        used.update(early)
     return out
 
 
-def read(path: Path) -> Checkpoint:
+def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
     file = path if path.is_file() else _candidates(path)[0]
     info = describe(path, [])
     archive = open_archive(file)
@@ -224,7 +264,14 @@ def read(path: Path) -> Checkpoint:
     if optim is not None:
         state = optim.get("state") or {}
         by_index = any(isinstance(k, int) for k in state)
-        names = _param_names_by_order(sd, aliases, optim) if by_index else {k: k for k in state}
+        try:
+            names = _param_names_by_order(sd, aliases, optim, param_names) if by_index else {k: k for k in state}
+        except LayoutMismatchError as exc:
+            # The weights are fine; only the optimizer state cannot be named.
+            # Whoever needs it (convert without --weights-only, verify) raises this.
+            ckpt.source["optimizer_error"] = exc
+            ckpt.notes.append(f"optimizer state left out: {exc.message}")
+            names = {}
         for key, per in state.items():
             fqn = names.get(key)
             if fqn is None or not isinstance(per, dict):
@@ -262,3 +309,78 @@ def _objects(archive: TorchArchive, value: Any, ckpt: Checkpoint, prefix: str) -
     if isinstance(value, tuple):
         return tuple(_objects(archive, v, ckpt, f"{prefix}/{i}") for i, v in enumerate(value))
     return value
+
+
+def _to_pickle(value: Any, tensors: dict[str, TensorOut]) -> Any:
+    if isinstance(value, TensorLink):
+        if value.name not in tensors:
+            raise RavexError(f"the state names tensor '{value.name}', which is not in the checkpoint")
+        return tensors[value.name]
+    if isinstance(value, dict):
+        return type(value)((k, _to_pickle(v, tensors)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_to_pickle(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_pickle(v, tensors) for v in value)
+    return value
+
+
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+    """One ``torch.save`` file in the portable layout ``{"model", "optim", ...}``
+    (optimizer state keyed by parameter name, as get_state_dict returns it), that
+    ``torch.load(weights_only=True)`` reads. Tied names all present, sharing one storage."""
+    layout = ZipLayout("archive")
+    storages: dict[str, StorageOut] = {}
+    outs: dict[str, TensorOut] = {}
+    for i, (name, t) in enumerate(ckpt.tensors.items()):
+        dtype = out_dtype(t, opts)
+        if dtype not in STORAGE_TYPES:
+            raise RavexError(f"tensor '{name}' has dtype {dtype}, which Ravex cannot write to torch.save yet")
+        storages[name] = StorageOut(str(i), dtype, t.numel)
+        outs[name] = TensorOut(storages[name], t.shape)
+    for alias, target in ckpt.aliases.items():
+        outs[alias] = outs[target]
+    root: dict[str, Any] = {}
+    model = OrderedDict((n[len(MODEL):], outs[n]) for n in list(ckpt.tensors) + list(ckpt.aliases) if n.startswith(MODEL))
+    root["model"] = model
+    optim_state: dict[str, dict[str, Any]] = {}
+    for n in ckpt.tensors:
+        if n.startswith(OPTIM):
+            _, state, fqn = n.split("/", 2)
+            optim_state.setdefault(fqn, {})[state] = outs[n]
+    if optim_state or "optim.param_groups" in ckpt.objects:
+        root["optim"] = {"state": optim_state, "param_groups": _to_pickle(ckpt.objects.get("optim.param_groups", []), outs)}
+    for key, value in ckpt.objects.items():
+        if key == "optim.param_groups":
+            continue
+        if key == "extra" and isinstance(value, dict):
+            for k, v in value.items():  # a torch.save source's own top-level keys go back to the top
+                root.setdefault(str(k), _to_pickle(v, outs))
+        else:
+            root[key] = _to_pickle(value, outs)
+    if ckpt.step is not None:
+        root.setdefault("step", ckpt.step)
+    pickle_bytes = dumps(root)
+    layout.add("data.pkl", len(pickle_bytes), pickle_bytes)
+    for name, data in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
+        layout.add(name, len(data), data)
+    entries = {name: layout.add(f"data/{s.key}", s.numel * itemsize(s.dtype)) for name, s in storages.items()}
+    layout.add("version", 2, b"3\n")
+    layout.add(".data/serialization_id", 16, b"ravex00000000000")
+    job = CopyJob()
+    with staged(dst, opts.force) as tmp:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, layout.size)
+            layout.write_small(fd)
+            ti = job.target(tmp)
+            for name, t in ckpt.tensors.items():
+                job.add(t, [Target(ti, entries[name].data_offset, t.whole(), storages[name].dtype)])
+            job.run(progress=progress, sync=False)
+            data_entries = [i for i, e in enumerate(layout.entries) if e.data is None]
+            crcs = _core.checksum_ranges(str(tmp), [(layout.entries[i].data_offset, layout.entries[i].size) for i in data_entries], "crc32")
+            size = layout.finish(fd, dict(zip(data_entries, crcs)))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return {"files": [dst.name], "tensors": len(ckpt.tensors), "bytes": size}

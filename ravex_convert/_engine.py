@@ -1,0 +1,149 @@
+"""Building copy jobs for the Rust executor (``ravex_convert._core``).
+
+A writer decides where each logical tensor goes (target file, byte offset,
+region, dtype); :class:`CopyJob` collects those decisions together with the
+source chunks and hands both layouts to the planner/executor in one call, so
+the bytes go through once, in parallel, in bounded memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import _core
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
+from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
+
+__all__ = ["CopyJob", "Target", "core_region", "source_bytes"]
+
+
+def core_region(region: Region) -> tuple[Any, ...]:
+    return region.to_core()
+
+
+def source_bytes(chunk: Chunk) -> bytes | None:
+    """Inline or decompressed bytes of a chunk the executor cannot map directly."""
+    if chunk.data is not None:
+        return chunk.data
+    if chunk.compression == "zstd":
+        assert chunk.file is not None and chunk.stored_nbytes is not None
+        return bytes(_core.decompress_frame(str(chunk.file), chunk.offset, chunk.stored_nbytes, chunk.nbytes))
+    return None
+
+
+@dataclass
+class Target:
+    """Where a writer puts (part of) a logical tensor."""
+
+    file: int  # index into CopyJob.targets
+    offset: int  # absolute byte offset of the region's first element
+    region: Region
+    dtype: str
+
+
+@dataclass
+class CopyJob:
+    sources: list[str | bytes] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)
+    tensors: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    _paths: dict[str, int] = field(default_factory=dict)
+
+    def target(self, path: Path) -> int:
+        self.targets.append(str(path))
+        return len(self.targets) - 1
+
+    def _source(self, chunk: Chunk) -> int:
+        data = source_bytes(chunk)
+        if data is not None:
+            if len(data) != chunk.nbytes:
+                raise CorruptCheckpointError(f"a chunk holds {len(data)} bytes, expected {chunk.nbytes}")
+            self.sources.append(data)
+            return len(self.sources) - 1
+        if chunk.file is None:
+            raise RavexError("a chunk has neither a file nor data")
+        key = str(chunk.file)
+        if key not in self._paths:
+            if not chunk.file.is_file():
+                raise IncompleteCheckpointError(f"{chunk.file}: missing", hint="copy the whole checkpoint", path=chunk.file)
+            self._paths[key] = len(self.sources)
+            self.sources.append(key)
+        return self._paths[key]
+
+    def add(self, tensor: LogicalTensor, targets: list[Target]) -> None:
+        src = [(self._source(c), c.offset if source_bytes(c) is None else 0, core_region(c.region), c.dtype) for c in tensor.chunks]
+        dst = [(t.file, t.offset, core_region(t.region), t.dtype) for t in targets]
+        self.tensors.append((list(tensor.shape), src, dst))
+        self.names.append(tensor.name)
+
+    def nbytes_out(self) -> int:
+        total = 0
+        for _, _, dst in self.tensors:
+            for _, _, region, dtype in dst:
+                n = region[2] if region[0] == "flat" else _prod(region[2])
+                total += n * itemsize(dtype)
+        return total
+
+    def summary(self) -> dict[str, Any]:
+        return dict(_core.plan_summary(self.sources, self.targets, self.tensors))
+
+    def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20) -> dict[str, int]:
+        """Execute in batches of about ``batch_bytes`` so a progress bar can move."""
+        totals: dict[str, int] = {}
+        batch: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal batch, size
+            if not batch:
+                return
+            try:
+                stats = _core.execute(self.sources, self.targets, batch, sync=False)
+            except OSError as exc:
+                raise RavexError(f"writing failed: {exc}", hint="check free space and permissions at the destination") from None
+            except ValueError as exc:
+                raise CorruptCheckpointError(f"the source does not hold what its metadata says: {exc}",
+                                             hint="a file is truncated or damaged; copy the checkpoint again") from None
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0) + int(v)
+            if progress is not None:
+                progress(size)
+            batch, size = [], 0
+
+        for t in self.tensors:
+            batch.append(t)
+            size += sum((r[2][2] if r[2][0] == "flat" else _prod(r[2][2])) * itemsize(r[3]) for r in t[2])
+            if size >= batch_bytes:
+                flush()
+        flush()
+        if sync:
+            for path in self.targets:
+                _fsync(path)
+        return totals
+
+
+def _prod(xs: Any) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def _fsync(path: str) -> None:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def whole(t: LogicalTensor) -> Box:
+    return Box(tuple(0 for _ in t.shape), t.shape)
+
+
+def flat_all(t: LogicalTensor) -> Flat:
+    return Flat(0, t.numel)

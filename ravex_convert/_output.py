@@ -1,0 +1,131 @@
+"""What every writer shares: choosing what goes out (weights only, renamed,
+cast) and putting the result in place atomically.
+
+An output is built under a temporary sibling name and renamed into place only
+when complete, so an interrupted or failed conversion never leaves anything at
+DST that looks like a finished checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import RavexError
+from .model import MODEL, OBJ, OPTIM, Checkpoint, LogicalTensor
+
+__all__ = ["FLOAT_DTYPES", "Options", "fsync_dir", "out_dtype", "select", "staged"]
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass
+class Options:
+    """Options every writer understands (the CLI's flags)."""
+
+    weights_only: bool = False
+    dtype: str | None = None  # cast floating-point weights on the way out
+    strip_prefix: list[str] = field(default_factory=list)
+    force: bool = False
+    max_shard_size: int | None = None  # safetensors: bytes per shard
+    compression: str | None = None  # native: None or "zstd"
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
+            raise RavexError(f"--dtype {self.dtype}: not a floating-point dtype Ravex casts to", hint=f"use one of {', '.join(FLOAT_DTYPES)}")
+
+
+def out_dtype(t: LogicalTensor, opts: Options) -> str:
+    """Weights are cast when asked; optimizer state and integer tensors never are."""
+    if opts.dtype is not None and t.name.startswith(MODEL) and t.dtype in FLOAT_DTYPES:
+        return opts.dtype
+    return t.dtype
+
+
+def _strip(name: str, prefixes: list[str]) -> str:
+    for area in (MODEL, OBJ):
+        if name.startswith(area):
+            rest = name[len(area):]
+            for p in prefixes:
+                if rest.startswith(p):
+                    return area + rest[len(p):]
+            return name
+    if name.startswith(OPTIM):
+        _, state, fqn = name.split("/", 2)
+        for p in prefixes:
+            if fqn.startswith(p):
+                return f"{OPTIM}{state}/{fqn[len(p):]}"
+    return name
+
+
+def select(ckpt: Checkpoint, opts: Options) -> Checkpoint:
+    """The part of ``ckpt`` that goes out, under its output names."""
+    out = Checkpoint(ckpt.format, ckpt.path, ckpt.world_size, ckpt.step, notes=list(ckpt.notes), source=dict(ckpt.source))
+    for name, t in ckpt.tensors.items():
+        if opts.weights_only and not name.startswith(MODEL):
+            continue
+        new = _strip(name, opts.strip_prefix)
+        if new in out.tensors:
+            raise RavexError(f"--strip-prefix makes two tensors one name: '{new}'", hint="strip a prefix that not every name shares, or none")
+        out.tensors[new] = LogicalTensor(new, t.shape, t.dtype, t.chunks)
+    for alias, target in ckpt.aliases.items():
+        if opts.weights_only and not alias.startswith(MODEL):
+            continue
+        out.aliases[_strip(alias, opts.strip_prefix)] = _strip(target, opts.strip_prefix)
+    if opts.weights_only:
+        out.objects = {}
+    else:
+        out.objects = dict(ckpt.objects)
+        groups = out.objects.get("optim.param_groups")
+        if opts.strip_prefix and isinstance(groups, list):
+            out.objects["optim.param_groups"] = [
+                {**g, "params": [_strip(MODEL + p, opts.strip_prefix)[len(MODEL):] for p in g.get("params", [])]} for g in groups
+            ]
+    return out
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+@contextlib.contextmanager
+def staged(dst: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary path beside ``dst``; on success move it to ``dst``
+    (replacing an existing one only with ``force``); on failure remove it."""
+    if dst.exists() and not force:
+        raise RavexError(f"{dst}: already exists", hint="pass --force to replace it, or choose another destination", path=dst)
+    parent = dst.parent
+    if not parent.is_dir():
+        raise RavexError(f"{parent}: the destination's directory does not exist", hint="create it first", path=parent)
+    tmp = parent / f".{dst.name}.ravex-tmp-{os.getpid()}"
+    _remove(tmp)
+    try:
+        yield tmp
+        if dst.exists():
+            old = parent / f".{dst.name}.ravex-old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            _remove(old)
+        else:
+            os.replace(tmp, dst)
+        fsync_dir(parent)
+    except BaseException:
+        _remove(tmp)
+        raise

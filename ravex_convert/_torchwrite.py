@@ -1,0 +1,229 @@
+"""Writing ``torch.save`` archives without torch.
+
+Two pieces no library provides without torch itself:
+- :func:`dumps`: a small pickle writer (protocol 2) that emits exactly the
+  opcodes torch.save does for tensors (``torch._utils._rebuild_tensor_v2`` over
+  a persistent storage id), so ``torch.load(weights_only=True)`` accepts it;
+- :class:`ZipLayout`: the uncompressed zip64 archive around it, laid out in
+  advance so the Rust executor can write every storage's bytes in place
+  (positional writes, 64-byte aligned like torch) and CRC-32s are filled in
+  afterwards.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._unpickle import DType
+from .errors import RavexError
+
+__all__ = ["STORAGE_TYPES", "StorageOut", "TensorOut", "ZipLayout", "dumps"]
+
+STORAGE_TYPES = {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage",
+    "uint8": "ByteStorage", "bool": "BoolStorage",
+}
+
+
+@dataclass(frozen=True)
+class StorageOut:
+    key: str
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorOut:
+    """A tensor to pickle: a whole, contiguous view of a storage."""
+
+    storage: StorageOut
+    shape: tuple[int, ...]
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    acc = 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+class _Pickler:
+    def __init__(self) -> None:
+        self.out = io.BytesIO()
+        self.w = self.out.write
+
+    def global_(self, module: str, name: str) -> None:
+        self.w(b"c" + module.encode() + b"\n" + name.encode() + b"\n")
+
+    def save(self, v: Any, path: str) -> None:
+        w = self.w
+        if v is None:
+            w(b"N")
+        elif v is True:
+            w(b"\x88")
+        elif v is False:
+            w(b"\x89")
+        elif isinstance(v, int):
+            if -(2**31) <= v < 2**31:
+                w(b"J" + struct.pack("<i", v))
+            else:
+                data = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+                w(b"\x8a" + bytes([len(data)]) + data)
+        elif isinstance(v, float):
+            w(b"G" + struct.pack(">d", v))
+        elif isinstance(v, str):
+            data = v.encode("utf-8")
+            w(b"X" + struct.pack("<I", len(data)) + data)
+        elif isinstance(v, bytes):
+            self.global_("_codecs", "encode")
+            self.save((v.decode("latin-1"), "latin1"), path)
+            w(b"R")
+        elif isinstance(v, tuple):
+            if not v:
+                w(b")")
+            else:
+                w(b"(")
+                for i, x in enumerate(v):
+                    self.save(x, f"{path}[{i}]")
+                w(b"t")
+        elif isinstance(v, list):
+            w(b"]")
+            if v:
+                w(b"(")
+                for i, x in enumerate(v):
+                    self.save(x, f"{path}[{i}]")
+                w(b"e")
+        elif isinstance(v, dict):
+            if type(v).__name__ == "OrderedDict":
+                self.global_("collections", "OrderedDict")
+                w(b")R")
+            else:
+                w(b"}")
+            if v:
+                w(b"(")
+                for k, x in v.items():
+                    self.save(k, f"{path}<key>")
+                    self.save(x, f"{path}[{k!r}]")
+                w(b"u")
+        elif isinstance(v, set):
+            self.global_("builtins", "set")
+            self.save(sorted(v) if all(isinstance(x, (int, str)) for x in v) else list(v), path)
+            w(b"\x85R")
+        elif isinstance(v, DType):
+            self.global_("torch", v.name)
+        elif isinstance(v, TensorOut):
+            self.tensor(v)
+        else:
+            raise RavexError(f"cannot write the value at {path} ({type(v).__name__}) into a torch.save file",
+                             hint="only plain Python data and tensors are written")
+
+    def tensor(self, t: TensorOut) -> None:
+        w = self.w
+        self.global_("torch._utils", "_rebuild_tensor_v2")
+        w(b"(")
+        # the storage, as a persistent id: ("storage", <type>, key, location, numel)
+        w(b"(")
+        self.save("storage", "")
+        self.global_("torch", STORAGE_TYPES[t.storage.dtype])
+        self.save(t.storage.key, "")
+        self.save("cpu", "")
+        self.save(t.storage.numel, "")
+        w(b"tQ")
+        self.save(0, "")  # storage offset
+        self.save(tuple(t.shape), "")
+        self.save(_strides(t.shape), "")
+        w(b"\x89")  # requires_grad
+        self.global_("collections", "OrderedDict")
+        w(b")R")  # backward hooks
+        w(b"tR")
+
+
+def dumps(obj: Any) -> bytes:
+    p = _Pickler()
+    p.w(b"\x80\x02")
+    p.save(obj, "state")
+    p.w(b".")
+    return p.out.getvalue()
+
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_ALIGN = 64
+
+
+@dataclass
+class _Entry:
+    name: bytes
+    size: int
+    header_offset: int = 0
+    data_offset: int = 0
+    extra_len: int = 0
+    crc: int = 0
+    data: bytes | None = None  # small records written by Python; None: tensor data written by the executor
+
+
+@dataclass
+class ZipLayout:
+    """An uncompressed zip64 archive planned before any byte is written."""
+
+    prefix: str
+    entries: list[_Entry] = field(default_factory=list)
+    size: int = 0
+
+    def add(self, name: str, size: int, data: bytes | None = None) -> _Entry:
+        e = _Entry(f"{self.prefix}/{name}".encode(), size, data=data)
+        e.header_offset = self.size
+        base = e.header_offset + _LOCAL.size + len(e.name) + 20  # 20: the zip64 extra field
+        pad = (-(base + 4)) % _ALIGN  # + 4: the padding field's own header
+        e.extra_len = 20 + 4 + pad
+        e.data_offset = e.header_offset + _LOCAL.size + len(e.name) + e.extra_len
+        self.size = e.data_offset + size
+        self.entries.append(e)
+        return e
+
+    def _extra(self, e: _Entry) -> bytes:
+        pad = e.extra_len - 24
+        return struct.pack("<HHQQ", 0x0001, 16, e.size, e.size) + struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+
+    def _local(self, e: _Entry) -> bytes:
+        return _LOCAL.pack(0x04034B50, 45, 0, 0, 0, 0x21, e.crc, 0xFFFFFFFF, 0xFFFFFFFF, len(e.name), e.extra_len) + e.name + self._extra(e)
+
+    def write_small(self, fd: int) -> None:
+        """Write the records whose bytes Python holds (with their headers)."""
+        for e in self.entries:
+            if e.data is not None:
+                e.crc = zlib.crc32(e.data)
+                os.pwrite(fd, self._local(e) + e.data, e.header_offset)
+
+    def finish(self, fd: int, crcs: dict[int, int]) -> int:
+        """Fill in the executor-written records' headers (``crcs``: entry index ->
+        CRC-32), then the central directory and the end records. Returns the file size."""
+        for i, crc in crcs.items():
+            self.entries[i].crc = crc
+        for e in self.entries:
+            if e.data is None:
+                os.pwrite(fd, self._local(e), e.header_offset)
+        # fixed timestamps (1980-01-01): the same input gives the same bytes
+        dos_time, dos_date = 0, 0x21
+        cd = io.BytesIO()
+        for e in self.entries:
+            extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.header_offset)
+            cd.write(_CENTRAL.pack(0x02014B50, 45, 45, 0, 0, dos_time, dos_date, e.crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                                   len(e.name), len(extra), 0, 0, 0, 0, 0xFFFFFFFF) + e.name + extra)
+        cd_bytes = cd.getvalue()
+        cd_offset = self.size
+        n = len(self.entries)
+        eocd64_offset = cd_offset + len(cd_bytes)
+        tail = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, len(cd_bytes), cd_offset)
+        tail += struct.pack("<IIQI", 0x07064B50, 0, eocd64_offset, 1)
+        tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+        os.pwrite(fd, cd_bytes + tail, cd_offset)
+        return cd_offset + len(cd_bytes) + len(tail)

@@ -1,0 +1,189 @@
+"""``convert``, ``load_state_dict``: the conversion API the ``ravex`` command wraps.
+
+Reading gives a :class:`~ravex_convert.model.Checkpoint` (where every byte is);
+``select`` picks what goes out under which names; a format's ``write`` chooses
+the target layout and the Rust executor moves the bytes once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import _core
+from ._engine import source_bytes
+from ._output import Options, out_dtype, select
+from .detect import read_checkpoint
+from .errors import RavexError
+from .formats import safetensors, torch_save
+from .model import MODEL, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
+
+__all__ = ["TARGETS", "convert", "load_state_dict", "materialize", "parse_size"]
+
+TARGETS = ("safetensors", "torch_save", "native")
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MiB"``, ``"1048576"`` -> bytes."""
+    s = text.strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if value <= 0 or unit not in _UNITS:
+        raise RavexError(f"'{text}' is not a size", hint="write it like 5GB, 500MiB or 1048576")
+    return int(value * _UNITS[unit])
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    to: str,
+    *,
+    tag: str | None = None,
+    index: int = -1,
+    weights_only: bool = False,
+    dtype: str | None = None,
+    strip_prefix: Sequence[str] = (),
+    force: bool = False,
+    dry_run: bool = False,
+    max_shard_size: int | str | None = None,
+    compression: str | None = None,
+    world_size: int = 1,
+    param_names: list[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
+
+    Returns a summary (tensors, bytes, files, seconds; with ``dry_run`` the plan
+    instead, and nothing is written). Raises :class:`RavexError` subclasses.
+    """
+    if to not in TARGETS:
+        raise RavexError(f"--to {to}: not a format Ravex writes yet", hint=f"use one of {', '.join(TARGETS)}")
+    if isinstance(max_shard_size, str):
+        max_shard_size = parse_size(max_shard_size)
+    if compression not in (None, "none", "zstd"):
+        raise RavexError(f"--compression {compression}: unknown", hint="use none or zstd")
+    opts = Options(weights_only=weights_only or to == "safetensors", dtype=dtype, strip_prefix=list(strip_prefix), force=force,
+                   max_shard_size=max_shard_size, compression=None if compression in (None, "none") else compression, world_size=world_size)
+    t0 = time.perf_counter()
+    ckpt = read_checkpoint(src, tag=tag, index=index, param_names=param_names)
+    if not opts.weights_only and "optimizer_error" in ckpt.source:
+        raise ckpt.source["optimizer_error"]
+    out = select(ckpt, opts)
+    notes = list(ckpt.notes)
+    if to == "safetensors" and any(n.startswith(OPTIM) for n in ckpt.tensors):
+        notes.append("safetensors holds weights only: the optimizer state was left out (use --to torch_save or native to keep it)")
+    dst = Path(dst)
+    if dry_run:
+        summary = plan(out, opts)
+        summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes})
+        return summary
+    if to == "safetensors":
+        result = safetensors.write(out, dst, opts, progress)
+    elif to == "torch_save":
+        result = torch_save.write(out, dst, opts, progress)
+    else:
+        from .formats import native_write  # type: ignore[attr-defined,unused-ignore]
+
+        result = native_write.write(out, dst, opts, progress=progress)
+    result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "seconds": time.perf_counter() - t0})
+    return result
+
+
+def plan(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:
+    """What a conversion would do: tensors, bytes in and out, copy runs."""
+    sources: list[str | bytes] = []
+    index: dict[str, int] = {}
+    tensors: list[Any] = []
+    offset = 0
+    for t in ckpt.tensors.values():
+        src = []
+        for c in t.chunks:
+            data = source_bytes(c)
+            if data is not None:
+                sources.append(data)
+                src.append((len(sources) - 1, 0, c.region.to_core(), c.dtype))
+            else:
+                key = str(c.file)
+                if key not in index:
+                    index[key] = len(sources)
+                    sources.append(key)
+                src.append((index[key], c.offset, c.region.to_core(), c.dtype))
+        dt = out_dtype(t, opts)
+        tensors.append((list(t.shape), src, [(0, offset, t.whole().to_core(), dt)]))
+        offset += t.numel * itemsize(dt)
+    summary = dict(_core.plan_summary(sources, ["<plan>"], tensors))
+    return {
+        "tensors": len(ckpt.tensors),
+        "aliases": len(ckpt.aliases),
+        "source_files": len(index),
+        "bytes_read": summary["bytes_read"],
+        "bytes_written": summary["bytes_written"],
+        "runs": summary["runs"],
+    }
+
+
+def materialize(t: LogicalTensor) -> bytes:
+    """The whole tensor's bytes, little-endian, row-major (for the Python API and
+    small values; the converters never go through here)."""
+    import numpy as np
+
+    lanes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize(t.dtype)]
+    out = np.zeros(t.numel, dtype=lanes)
+    full = out.reshape(t.shape) if t.shape else out.reshape(())
+    for c in t.chunks:
+        if c.dtype != t.dtype:
+            raise RavexError(f"tensor '{t.name}' mixes dtypes across its chunks; convert it instead")
+        data = source_bytes(c)
+        if data is None:
+            assert c.file is not None
+            with open(c.file, "rb") as f:
+                f.seek(c.offset)
+                data = f.read(c.nbytes)
+        values = np.frombuffer(data, dtype=lanes, count=c.region.numel)
+        region = c.region
+        if isinstance(region, Box):
+            sl = tuple(slice(o, o + s) for o, s in zip(region.offsets, region.sizes))
+            full[sl] = values.reshape(region.sizes)
+        else:
+            out[region.start:region.start + region.length] = values
+    return out.tobytes()
+
+
+def load_state_dict(path: str | Path, *, tag: str | None = None, index: int = -1, optimizer: bool = False,
+                    param_names: list[str] | None = None) -> dict[str, Any]:
+    """For people who just want tensors: ``{name: torch.Tensor}`` of the model
+    weights (the fp32 master copy where the source has one), tied names sharing
+    one tensor. With ``optimizer=True``, ``{"model": ..., "optim": {"state": ...,
+    "param_groups": ...}}`` instead."""
+    import torch
+
+    ckpt = read_checkpoint(path, tag=tag, index=index, param_names=param_names)
+    if optimizer and "optimizer_error" in ckpt.source:
+        raise ckpt.source["optimizer_error"]
+    tensors: dict[str, Any] = {}
+    for name, t in ckpt.tensors.items():
+        if name.startswith(MODEL) or (optimizer and name.startswith(OPTIM)):
+            data = bytearray(materialize(t))
+            dtype = getattr(torch, t.dtype)
+            tensors[name] = torch.frombuffer(data, dtype=dtype).reshape(t.shape) if data else torch.empty(t.shape, dtype=dtype)
+    for alias, target in ckpt.aliases.items():
+        if target in tensors:
+            tensors[alias] = tensors[target]
+    model = {n[len(MODEL):]: v for n, v in tensors.items() if n.startswith(MODEL)}
+    if not optimizer:
+        return model
+    state: dict[str, dict[str, Any]] = {}
+    for n, v in tensors.items():
+        if n.startswith(OPTIM):
+            _, s, fqn = n.split("/", 2)
+            state.setdefault(fqn, {})[s] = v
+    return {"model": model, "optim": {"state": state, "param_groups": ckpt.objects.get("optim.param_groups", [])}}
