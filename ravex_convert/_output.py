@@ -117,7 +117,12 @@ def staged(dst: Path, force: bool) -> Iterator[Path]:
     tmp = parent / f".{dst.name}.ravex-tmp-{os.getpid()}"
     _remove(tmp)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as exc:
+            # ENOSPC, EFBIG, EACCES...: the output cannot be written; say where
+            raise RavexError(f"{dst}: writing failed ({exc.strerror or exc})",
+                             hint="check free space and permissions at the destination", path=dst) from None
         if dst.exists():
             old = parent / f".{dst.name}.ravex-old-{os.getpid()}"
             os.replace(dst, old)

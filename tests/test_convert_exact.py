@@ -192,3 +192,17 @@ def test_verify_catches_one_changed_element(tmp_path: Path) -> None:
     assert doc["identical"] is False and doc["differing_tensors"] == 1
     # within a tolerance they agree
     assert run_ravex("verify", out, tmp_path / "changed.safetensors", "--atol", "1e-6").returncode == 0
+
+
+def test_load_state_dict_python_api() -> None:
+    import ravex_convert
+
+    weights = ravex_convert.load_state_dict(DATA / "zero3_ws2_bf16" / "checkpoint")
+    true, _ = _true("zero3_ws2_bf16")
+    for key, value in true.items():
+        if key.startswith("model/"):
+            assert _bits_equal(weights[key[len("model/"):]], value), key
+    # tied names share one tensor, as in the model
+    assert weights["head.weight"] is weights["embed.weight"]
+    full = ravex_convert.load_state_dict(DATA / "fsdp2_ws2" / "checkpoint", optimizer=True)
+    assert _bits_equal(full["optim"]["state"]["embed.weight"]["exp_avg"], load_file(str(DATA / "fsdp2_ws2" / "reference" / "true_state.safetensors"))["optim/exp_avg/embed.weight"])

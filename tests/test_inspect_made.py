@@ -194,6 +194,7 @@ def test_inspect_does_not_import_torch(training_pt: Path, tmp_path: Path) -> Non
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('NO_TORCH_OK')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code, str(training_pt), str(dcp_dir)], capture_output=True, text=True, timeout=120, check=False)
+    # -P: keep the working directory (the source tree, without the compiled core) off sys.path
+    res = subprocess.run([sys.executable, "-P", "-c", code, str(training_pt), str(dcp_dir)], capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     assert "NO_TORCH_OK" in res.stdout

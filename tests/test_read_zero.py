@@ -207,7 +207,8 @@ def test_read_does_not_import_torch() -> None:
         f"c = zero.read(Path({str(DATA / 'zero3_ws3_bf16' / 'checkpoint')!r})); "
         "assert 'torch' not in sys.modules, 'torch imported'; print(len(c.tensors))"
     )
-    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=dict(os.environ), timeout=60)
+    # -P: keep the working directory (the source tree, without the compiled core) off sys.path
+    res = subprocess.run([sys.executable, "-P", "-c", code], check=False, capture_output=True, text=True, env=dict(os.environ), timeout=60)
     assert res.returncode == 0, res.stderr
     assert int(res.stdout) > 0
 

@@ -140,6 +140,19 @@ def _check_ranks(tag_dir: Path, files: dict[int, Path], pattern: str, expect: in
         )
 
 
+def rank_count_error(layout: ZeroLayout, who: str, said: int, present: int) -> IncompleteCheckpointError:
+    """The files disagree with the rank count the optimizer state records."""
+    hint = "an old save was overwritten in part, or some ranks' files were not copied; use a complete tag directory"
+    if said > present:
+        name = f"{layout.prefix}zero_pp_rank_{present}_mp_rank_00_optim_states.pt"
+        return IncompleteCheckpointError(
+            f"{layout.tag_dir}: rank {present}'s file {name} is missing ({who} says {said} ranks; {present} optimizer files are present)",
+            hint=hint, path=layout.tag_dir / name)
+    return IncompleteCheckpointError(
+        f"{layout.tag_dir}: {who} says {said} ranks, but {present} optimizer files are present (files from different saves?)",
+        hint=hint, path=layout.tag_dir)
+
+
 def _stage_of(value: Any) -> int | None:
     if isinstance(value, Record) and value.args:
         value = value.args[0]
@@ -203,11 +216,7 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
     partition_count = osd.get("partition_count")
     counts = partition_count if isinstance(partition_count, list) else [partition_count]
     if all(isinstance(c, int) for c in counts) and counts and max(counts) != info.world_size:
-        raise IncompleteCheckpointError(
-            f"{layout.tag_dir}: the optimizer state says {max(counts)} ranks, but {info.world_size} optimizer files are present",
-            hint="an old save was overwritten in part, or some ranks' files were not copied; use a complete tag directory",
-            path=layout.tag_dir,
-        )
+        raise rank_count_error(layout, "the optimizer state", max(counts), info.world_size)
     info.extra["precision"] = precision
     info.extra["ds_version"] = ms.get("ds_version")
     info.extra["zero_stage_saved"] = saved_stage
@@ -370,11 +379,7 @@ def _check_partitions(layout: ZeroLayout, ranks: list[RankFile], stage: int, ms:
         if not counts or not all(isinstance(c, int) for c in counts):
             raise corrupt(rf.path, f"partition_count is {pc!r}")
         if max(counts) != ws:
-            raise IncompleteCheckpointError(
-                f"{layout.tag_dir}: {rf.path.name} says {max(counts)} ranks, but {ws} optimizer files are present",
-                hint="an old save was overwritten in part, or some ranks' files were not copied; use a complete tag directory",
-                path=layout.tag_dir,
-            )
+            raise rank_count_error(layout, rf.path.name, max(counts), ws)
         if min(counts) != ws:
             raise LayoutMismatchError(
                 f"{rf.path}: param groups are partitioned over different numbers of ranks ({counts}); "
