@@ -79,6 +79,7 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove PREFIX from names (e.g. 'module.', '_orig_mod.'); repeatable.")
 @click.option("--max-shard-size", default=None, metavar="SIZE", help="safetensors: split into shards of at most SIZE (e.g. 5GB) with an index.")
 @click.option("--compression", type=click.Choice(["none", "zstd"]), default=None, help="native: compress chunks with zstd.")
+@click.option("--world-size", default=1, show_default=True, type=click.IntRange(1), help="native: number of ranks to shard into (dim 0, torch.chunk sizes).")
 @click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
 @click.option("--param-names", "param_names_file", default=None, metavar="FILE",
@@ -88,7 +89,7 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
-                compression: str | None, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
+                compression: str | None, world_size: int, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
                 as_json: bool, quiet: bool) -> None:
     """Convert the checkpoint at SRC to another format at DST (bit-exact; weights as the fp32 master copy where SRC has one)."""
     try:
@@ -96,7 +97,7 @@ def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | No
         with _progress(quiet) as progress:
             result = ravex_convert.convert(src, dst, to, tag=tag, index=index, weights_only=weights_only, dtype=dtype,
                                            strip_prefix=strip_prefix, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
-                                           compression=compression, param_names=names, progress=progress)
+                                           compression=compression, world_size=world_size, param_names=names, progress=progress)
     except RavexError as exc:
         _fail(exc)
     if as_json:

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from . import _core
+from ._output import fsync_dir
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
 
-__all__ = ["CopyJob", "Target", "core_region", "source_bytes"]
+__all__ = ["CopyJob", "SourceTable", "Target", "core_region", "source_bytes"]
 
 
 def core_region(region: Region) -> tuple[Any, ...]:
@@ -44,50 +45,54 @@ class Target:
 
 
 @dataclass
-class CopyJob:
+class SourceTable:
+    """The sources of one executor call: file paths (each listed once) and
+    inline byte strings, and each chunk as the executor's tuple."""
+
     sources: list[str | bytes] = field(default_factory=list)
+    _paths: dict[str, int] = field(default_factory=dict)
+
+    def chunk(self, c: Chunk) -> tuple[Any, ...]:
+        """``(source index, byte offset, region, dtype)`` for the executor."""
+        data = source_bytes(c)
+        if data is not None:
+            if len(data) != c.nbytes:
+                raise CorruptCheckpointError(f"a chunk holds {len(data)} bytes, expected {c.nbytes}")
+            self.sources.append(data)
+            return (len(self.sources) - 1, 0, core_region(c.region), c.dtype)
+        if c.file is None:
+            raise RavexError("a chunk has neither a file nor data")
+        key = str(c.file)
+        if key not in self._paths:
+            if not c.file.is_file():
+                raise IncompleteCheckpointError(f"{c.file}: missing", hint="copy the whole checkpoint", path=c.file)
+            self._paths[key] = len(self.sources)
+            self.sources.append(key)
+        return (self._paths[key], c.offset, core_region(c.region), c.dtype)
+
+    @property
+    def files(self) -> int:
+        return len(self._paths)
+
+
+@dataclass
+class CopyJob:
+    table: SourceTable = field(default_factory=SourceTable)
     targets: list[str] = field(default_factory=list)
     tensors: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    _paths: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def sources(self) -> list[str | bytes]:
+        return self.table.sources
 
     def target(self, path: Path) -> int:
         self.targets.append(str(path))
         return len(self.targets) - 1
 
-    def _source(self, chunk: Chunk) -> int:
-        data = source_bytes(chunk)
-        if data is not None:
-            if len(data) != chunk.nbytes:
-                raise CorruptCheckpointError(f"a chunk holds {len(data)} bytes, expected {chunk.nbytes}")
-            self.sources.append(data)
-            return len(self.sources) - 1
-        if chunk.file is None:
-            raise RavexError("a chunk has neither a file nor data")
-        key = str(chunk.file)
-        if key not in self._paths:
-            if not chunk.file.is_file():
-                raise IncompleteCheckpointError(f"{chunk.file}: missing", hint="copy the whole checkpoint", path=chunk.file)
-            self._paths[key] = len(self.sources)
-            self.sources.append(key)
-        return self._paths[key]
-
     def add(self, tensor: LogicalTensor, targets: list[Target]) -> None:
-        src = [(self._source(c), c.offset if source_bytes(c) is None else 0, core_region(c.region), c.dtype) for c in tensor.chunks]
+        src = [self.table.chunk(c) for c in tensor.chunks]
         dst = [(t.file, t.offset, core_region(t.region), t.dtype) for t in targets]
         self.tensors.append((list(tensor.shape), src, dst))
-        self.names.append(tensor.name)
-
-    def nbytes_out(self) -> int:
-        total = 0
-        for _, _, dst in self.tensors:
-            for _, _, region, dtype in dst:
-                n = region[2] if region[0] == "flat" else _prod(region[2])
-                total += n * itemsize(dtype)
-        return total
-
-    def summary(self) -> dict[str, Any]:
-        return dict(_core.plan_summary(self.sources, self.targets, self.tensors))
 
     def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20) -> dict[str, int]:
         """Execute in batches of about ``batch_bytes`` so a progress bar can move."""
@@ -120,7 +125,7 @@ class CopyJob:
         flush()
         if sync:
             for path in self.targets:
-                _fsync(path)
+                fsync_dir(path)
         return totals
 
 
@@ -129,16 +134,6 @@ def _prod(xs: Any) -> int:
     for x in xs:
         n *= int(x)
     return n
-
-
-def _fsync(path: str) -> None:
-    import os
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def whole(t: LogicalTensor) -> Box:

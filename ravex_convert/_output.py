@@ -89,7 +89,8 @@ def select(ckpt: Checkpoint, opts: Options) -> Checkpoint:
     return out
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path | str) -> None:
+    """fsync a directory (or a file) by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

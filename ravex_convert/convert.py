@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from . import _core
-from ._engine import source_bytes
+from ._engine import SourceTable, source_bytes
 from ._output import Options, out_dtype, select
 from .detect import read_checkpoint
 from .errors import RavexError
-from .formats import safetensors, torch_save
+from .formats import native, safetensors, torch_save
 from .model import MODEL, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
 
 __all__ = ["TARGETS", "convert", "load_state_dict", "materialize", "parse_size"]
@@ -78,6 +78,9 @@ def convert(
     if not opts.weights_only and "optimizer_error" in ckpt.source:
         raise ckpt.source["optimizer_error"]
     out = select(ckpt, opts)
+    if ckpt.format == "native" and not dry_run:
+        # the store's checksums are checked before any byte is used (docs/format.md section 12)
+        native.verify_chunks(ckpt, [n for n in ckpt.tensors if not opts.weights_only or n.startswith(MODEL)])
     notes = list(ckpt.notes)
     if to == "safetensors" and any(n.startswith(OPTIM) for n in ckpt.tensors):
         notes.append("safetensors holds weights only: the optimizer state was left out (use --to torch_save or native to keep it)")
@@ -91,7 +94,7 @@ def convert(
     elif to == "torch_save":
         result = torch_save.write(out, dst, opts, progress)
     else:
-        from .formats import native_write  # type: ignore[attr-defined,unused-ignore]
+        from .formats import native_write
 
         result = native_write.write(out, dst, opts, progress=progress)
     result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "seconds": time.perf_counter() - t0})
@@ -100,31 +103,19 @@ def convert(
 
 def plan(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:
     """What a conversion would do: tensors, bytes in and out, copy runs."""
-    sources: list[str | bytes] = []
-    index: dict[str, int] = {}
+    table = SourceTable()
     tensors: list[Any] = []
     offset = 0
     for t in ckpt.tensors.values():
-        src = []
-        for c in t.chunks:
-            data = source_bytes(c)
-            if data is not None:
-                sources.append(data)
-                src.append((len(sources) - 1, 0, c.region.to_core(), c.dtype))
-            else:
-                key = str(c.file)
-                if key not in index:
-                    index[key] = len(sources)
-                    sources.append(key)
-                src.append((index[key], c.offset, c.region.to_core(), c.dtype))
+        src = [table.chunk(c) for c in t.chunks]
         dt = out_dtype(t, opts)
         tensors.append((list(t.shape), src, [(0, offset, t.whole().to_core(), dt)]))
         offset += t.numel * itemsize(dt)
-    summary = dict(_core.plan_summary(sources, ["<plan>"], tensors))
+    summary = dict(_core.plan_summary(table.sources, ["<plan>"], tensors))
     return {
         "tensors": len(ckpt.tensors),
         "aliases": len(ckpt.aliases),
-        "source_files": len(index),
+        "source_files": table.files,
         "bytes_read": summary["bytes_read"],
         "bytes_written": summary["bytes_written"],
         "runs": summary["runs"],
@@ -169,6 +160,8 @@ def load_state_dict(path: str | Path, *, tag: str | None = None, index: int = -1
     ckpt = read_checkpoint(path, tag=tag, index=index, param_names=param_names)
     if optimizer and "optimizer_error" in ckpt.source:
         raise ckpt.source["optimizer_error"]
+    if ckpt.format == "native":
+        native.verify_chunks(ckpt, [n for n in ckpt.tensors if n.startswith(MODEL) or (optimizer and n.startswith(OPTIM))])
     tensors: dict[str, Any] = {}
     for name, t in ckpt.tensors.items():
         if name.startswith(MODEL) or (optimizer and name.startswith(OPTIM)):

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from . import _core
-from ._engine import source_bytes
+from ._engine import SourceTable
 from .detect import read_checkpoint
+from .formats import native
 from .model import MODEL, OPTIM, Checkpoint, LogicalTensor
 
 __all__ = ["Difference", "VerifyResult", "verify"]
@@ -73,26 +74,10 @@ def _display(name: str) -> str:
 
 
 def _compare(ta: LogicalTensor, tb: LogicalTensor, atol: float, rtol: float) -> tuple[int, int | None, float]:
-    sources: list[str | bytes] = []
-    index: dict[str, int] = {}
-
-    def chunks(t: LogicalTensor) -> list[tuple[Any, ...]]:
-        out = []
-        for c in t.chunks:
-            data = source_bytes(c)
-            if data is not None:
-                sources.append(data)
-                out.append((len(sources) - 1, 0, c.region.to_core(), c.dtype))
-                continue
-            key = str(c.file)
-            if key not in index:
-                index[key] = len(sources)
-                sources.append(key)
-            out.append((index[key], c.offset, c.region.to_core(), c.dtype))
-        return out
-
-    a, b = chunks(ta), chunks(tb)
-    n, first, max_abs = _core.compare(sources, list(ta.shape), a, b, atol=atol, rtol=rtol, exact=(atol == 0 and rtol == 0))
+    table = SourceTable()
+    a = [table.chunk(c) for c in ta.chunks]
+    b = [table.chunk(c) for c in tb.chunks]
+    n, first, max_abs = _core.compare(table.sources, list(ta.shape), a, b, atol=atol, rtol=rtol, exact=(atol == 0 and rtol == 0))
     return int(n), first, float(max_abs)
 
 
@@ -107,6 +92,8 @@ def verify(a: str | Path, b: str | Path, *, weights_only: bool = False, atol: fl
     for c in (ca, cb):
         if not weights_only and "optimizer_error" in c.source:
             raise c.source["optimizer_error"]
+        if c.format == "native":
+            native.verify_chunks(c, _names(c, weights_only))
     result = VerifyResult(str(a), str(b), exact=(atol == 0 and rtol == 0))
     names_a, names_b = _names(ca, weights_only), _names(cb, weights_only)
     set_b = set(names_b)

@@ -97,3 +97,19 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
 def test_unknown_destination_directory(tmp_path: Path) -> None:
     res = run_ravex("convert", DATA / "torch_save" / "checkpoint", tmp_path / "no" / "such" / "m.pt", "--to", "torch_save", "--weights-only")
     assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def test_checksum_mismatch_in_a_native_store(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    assert run_ravex("convert", DATA / "fsdp2_ws2" / "checkpoint", store, "--to", "native", "-q").returncode == 0
+    data = store / "checkpoints" / "00000000" / "rank00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0x01  # one bit of the last tensor's bytes
+    data.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    out.mkdir()
+    for cmd in (["convert", store, out / "m.pt", "--to", "torch_save"], ["verify", store, DATA / "fsdp2_ws2" / "checkpoint"]):
+        res = run_ravex(*cmd)
+        assert res.returncode == 6, res.stderr
+        assert "checksum" in res.stderr and "rank00000.safetensors" in res.stderr and "hint:" in res.stderr
+    assert _leftovers(out) == []

@@ -8,6 +8,8 @@ complete checkpoint, and summarising a checkpoint's metadata.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexErr
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import Box, Checkpoint, Chunk, Flat, LogicalTensor, Region
 
-__all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "describe", "read_manifest", "resolve", "sniff"]
+__all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "describe", "read", "read_manifest", "resolve", "sniff", "verify_chunks"]
 
 STORE_MARKER = "ravex-store.json"
 MANIFEST = "manifest.json"
@@ -217,3 +219,76 @@ def read(path: Path, index: int = -1) -> Checkpoint:
         raise CorruptCheckpointError(f"{where}: malformed checkpoint metadata ({type(exc).__name__}: {exc})", path=where) from None
     ckpt.notes.extend(info.notes)
     return ckpt
+
+
+_CHECKSUM = re.compile(r"xxh3-64:[0-9a-f]{16}")
+
+
+def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
+    """Check the xxh3-64 checksum of every chunk of ``names`` (default: every
+    tensor; aliases follow their target) over all its uncompressed bytes
+    (docs/format.md sections 12 and 17.6). ``ckpt`` comes from :func:`read`.
+
+    Raises :class:`CorruptCheckpointError` naming the tensor, the chunk's
+    position, the file, the checkpoint index and the store on the first
+    mismatch, truncation or undecodable frame, and
+    :class:`IncompleteCheckpointError` for a missing file. Returns the number
+    of chunks verified."""
+    from .. import _core
+
+    store, index = ckpt.path, ckpt.source.get("index")
+    wanted = list(ckpt.tensors) if names is None else [ckpt.aliases.get(n, n) for n in names]
+    by_file: dict[Path, list[tuple[str, int, Chunk]]] = {}
+    count = 0
+
+    def bad(name: str, k: int, c: Chunk, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{store}: checkpoint {index}: chunk {k} of tensor '{name}' in {c.file}: {why}",
+            hint="the data file is damaged; restore the store from a copy, or load another checkpoint (--index)",
+            path=c.file,
+        )
+
+    for name in dict.fromkeys(wanted):
+        t = ckpt.tensors[name]
+        for k, c in enumerate(t.chunks):
+            if c.checksum is None or not _CHECKSUM.fullmatch(c.checksum):
+                raise bad(name, k, c, f"its checksum {c.checksum!r} is not 'xxh3-64:' and 16 lowercase hex digits")
+            if c.file is None:
+                raise bad(name, k, c, "the chunk names no file")
+            by_file.setdefault(c.file, []).append((name, k, c))
+    for file, chunks in by_file.items():
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            name, k, _ = chunks[0]
+            pruned = index is not None and (store / STORE_MARKER).is_file() and not any(
+                e.get("index") == index for e in read_manifest(store)["checkpoints"] if isinstance(e, dict))
+            raise IncompleteCheckpointError(
+                f"{store}: checkpoint {index}: data file {file} of tensor '{name}' (chunk {k}) is missing"
+                + ("; the checkpoint was pruned while being read" if pruned else ""),
+                hint="load the newest checkpoint again" if pruned else "copy the whole store directory; checkpoints share data files",
+                path=file,
+            ) from None
+        plain: list[tuple[str, int, Chunk]] = []
+        for name, k, c in chunks:
+            stored = c.stored_nbytes if c.stored_nbytes is not None else c.nbytes
+            if c.compression is None and stored != c.nbytes:
+                raise bad(name, k, c, f"stored_nbytes {stored} differs from nbytes {c.nbytes} in an uncompressed chunk")
+            if c.offset < 0 or c.offset + stored > size:
+                raise bad(name, k, c, f"the chunk ends at byte {c.offset + stored}, but the file has {size} bytes (truncated?)")
+            if c.compression is None:
+                plain.append((name, k, c))
+                continue
+            try:
+                data = _core.decompress_frame(str(file), c.offset, stored, c.nbytes)
+            except ValueError as exc:
+                raise bad(name, k, c, f"its zstd frame does not decode to {c.nbytes} bytes ({exc})") from None
+            if f"xxh3-64:{_core.xxh3_64(data):016x}" != c.checksum:
+                raise bad(name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{_core.xxh3_64(data):016x})")
+            count += 1
+        sums = _core.checksum_ranges(str(file), [(c.offset, c.nbytes) for _, _, c in plain], "xxh3-64") if plain else []
+        for (name, k, c), h in zip(plain, sums):
+            if f"xxh3-64:{h:016x}" != c.checksum:
+                raise bad(name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{h:016x})")
+            count += 1
+    return count

@@ -1,0 +1,477 @@
+"""Writing DCP (torch.distributed.checkpoint) checkpoints, laid out as FSDP2 saves them.
+
+The output is what ``dcp.save({"model": msd, "optim": osd, ...})`` writes after
+``msd, osd = get_state_dict(model, optimizer)`` on an FSDP2 model at world size N
+(``Options.world_size``), so ``dcp.load`` + ``set_state_dict`` restore it at any
+world size, FSDP2 or a single process:
+
+- every model and optimizer tensor of dim >= 1 is cut on dim 0 in ``torch.chunk``
+  sizes (ceil(rows / N) rows per rank; ranks past the data get an empty chunk at
+  offset ``rows``, recorded once, as DCP's save planner de-duplicates equal chunks);
+- 0-d tensors (Adam's ``step``, 0-d buffers) and tensors held in extra state
+  (an RNG state) are one whole chunk, stored once, on the least loaded rank;
+- non-tensor values are flattened the way DCP flattens nested state (dicts
+  always; a list only when it holds a tensor or a dict) and each leaf is its own
+  ``torch.save``\\ d item: ``optim.param_groups.<i>.<key>`` per hyper-parameter,
+  ``optim.param_groups.<i>.params`` the list of parameter names;
+- tied names are each their own key holding the same values, as ``state_dict()``
+  lists them; optimizer state is keyed by parameter name.
+
+Files: ``__<rank>_0.distcp`` per rank, each a gap-free run of items, every item a
+complete ``torch.save`` archive (laid out here and filled by the Rust executor, so
+tensor bytes are copied once, in parallel, and cast where ``--dtype`` asks);
+``.metadata`` last, the commit point, pickled from torch's own classes as
+``FileSystemWriter.finish`` does (``planner_data``: each key's real nesting;
+``storage_data``: ``MetadataIndex(key, chunk offsets, chunk position)`` ->
+``_StorageInfo(file, offset, length)``; for a non-tensor, ``MetadataIndex(key)``).
+
+Metadata forms (``metadata_form``), and which torch reads each:
+
+- ``"current"`` (default): ``TensorProperties`` pickled with its ``strides`` field,
+  as torch 2.15 writes it. Read by torch 2.15 and later; torch 2.14 and earlier
+  fail to unpickle it ("too many values to unpack").
+- ``"compat"``: ``TensorProperties`` pickled with the five fields torch < 2.15
+  writes. Read by torch 2.4 (the first to flatten nested state this way) through
+  2.15 and later (which fills ``strides`` with None).
+
+Under a torch older than 2.15 both forms are the five-field one.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import uuid
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import _core
+from .._engine import CopyJob, Target
+from .._output import Options, fsync_dir, out_dtype, staged
+from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
+from ..errors import RavexError
+from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize
+from .dcp import METADATA
+
+__all__ = ["METADATA_FORMS", "write"]
+
+METADATA_FORMS = ("current", "compat")
+_DCP_VERSION = "1.0.0"  # torch's CURRENT_DCP_VERSION (2.6 to 2.15)
+_SERIALIZATION_ID = b"ravex00000000000"
+
+PathItem = str | int
+
+
+# ---------------------------------------------------------------- the state to write
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A tensor of the state: logical tensor ``source`` (the stored one, for a tied alias)."""
+
+    source: str
+    shape: tuple[int, ...]
+    dtype: str  # output dtype
+    sharded: bool  # cut on dim 0 across ranks as FSDP2 does; otherwise one whole chunk
+
+
+def _nest_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    """The DCP reader keeps a non-optimizer value under its nesting joined by "/"
+    (``lr_scheduler/last_epoch``): nest it again so it goes back under the same
+    flat key. Other sources' extra keys (torch.save top-level keys) hold no "/"."""
+    out: dict[str, Any] = {}
+    for key, value in extra.items():
+        parts = str(key).split("/")
+        node = out
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise RavexError(f"the extra state has both a value and nested values under '{p}' ('{key}')")
+            node = nxt
+        node.setdefault(parts[-1], value)
+    return out
+
+
+def _state(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:
+    """The portable layout ``{"model": sd, "optim": {"state", "param_groups"}, ...extra}``,
+    tensors as :class:`_Leaf`."""
+
+    def leaf(name: str, sharded: bool) -> _Leaf:
+        if name not in ckpt.tensors and name not in ckpt.aliases:
+            raise RavexError(f"the state names tensor '{name}', which is not in the checkpoint")
+        t = ckpt.resolve(name)
+        dtype = out_dtype(t, opts)
+        if dtype not in STORAGE_TYPES:
+            raise RavexError(f"tensor '{name}' has dtype {dtype}, which Ravex cannot write to DCP yet")
+        return _Leaf(t.name, t.shape, dtype, sharded)
+
+    def values(v: Any) -> Any:
+        if isinstance(v, TensorLink):
+            return leaf(v.name, False)  # a plain (unsharded) tensor, as torch saves one
+        if isinstance(v, dict):
+            return type(v)((k, values(x)) for k, x in v.items())
+        if isinstance(v, list):
+            return [values(x) for x in v]
+        if isinstance(v, tuple):
+            return tuple(values(x) for x in v)
+        return v
+
+    names = list(ckpt.tensors) + list(ckpt.aliases)
+    root: dict[str, Any] = {"model": {n[len(MODEL):]: leaf(n, True) for n in names if n.startswith(MODEL)}}
+    optim_state: dict[str, dict[str, Any]] = {}
+    for n in names:
+        if n.startswith(OPTIM):
+            _, state, fqn = n.split("/", 2)
+            optim_state.setdefault(fqn, {})[state] = leaf(n, True)
+    if optim_state or "optim.param_groups" in ckpt.objects:
+        root["optim"] = {"state": optim_state, "param_groups": values(ckpt.objects.get("optim.param_groups", []))}
+    for key, value in ckpt.objects.items():
+        if key == "optim.param_groups":
+            continue
+        if key == "extra" and isinstance(value, dict):
+            for k, v in _nest_extra(value).items():
+                root.setdefault(k, values(v))
+        else:
+            root.setdefault(key, values(value))
+    if ckpt.step is not None:
+        root.setdefault("step", ckpt.step)
+    return root
+
+
+def _flatten(root: dict[str, Any]) -> list[tuple[str, tuple[PathItem, ...], Any]]:
+    """(flat key, nesting, value) for every leaf, by DCP's rules (torch >= 2.4,
+    ``_traverse.traverse_state_dict``): dicts are always entered (an empty one
+    vanishes); a list only when it holds a tensor or an entered container; a
+    tuple never. The flat key is the nesting joined by dots."""
+
+    def terminal(v: Any) -> bool:
+        if isinstance(v, Mapping):
+            return False
+        if not isinstance(v, list):
+            return True
+        return not any(isinstance(e, _Leaf) or (isinstance(e, (Mapping, list)) and not terminal(e)) for e in v)
+
+    out: list[tuple[str, tuple[PathItem, ...], Any]] = []
+    seen: set[str] = set()
+
+    def visit(path: tuple[PathItem, ...], v: Any) -> None:
+        if isinstance(v, Mapping):
+            for k, x in v.items():
+                visit((*path, str(k)), x)
+        elif terminal(v):
+            key = ".".join(map(str, path))
+            if key in seen:
+                raise RavexError(f"two values of the state flatten to the same DCP key '{key}'",
+                                 hint="rename one of them (DCP joins nested keys with dots)")
+            seen.add(key)
+            out.append((key, path, v))
+        else:
+            for i, x in enumerate(v):
+                visit((*path, i), x)
+
+    for k, v in root.items():
+        visit((str(k),), v)
+    return out
+
+
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, _Leaf):
+        return True
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return any(_holds_tensor(x) for x in v)
+    if isinstance(v, dict):
+        return any(_holds_tensor(x) for x in v.values())
+    return False
+
+
+# ---------------------------------------------------------------- torch.save items
+
+
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # a zip central directory header, as _torchwrite writes it
+
+
+@dataclass
+class _ItemLayout(ZipLayout):
+    """A torch.save archive that starts ``base`` bytes into a ``.distcp`` file.
+
+    The archive's own offsets (local headers, central directory) count from its
+    first byte, as when torch.save writes into the middle of a stream, so
+    ZipLayout's plan is kept and only the positional writes move by ``base``.
+    The central directory and end records follow ZipLayout.finish byte for byte."""
+
+    base: int = 0
+    data: list[int] = field(default_factory=list)  # entries written by the executor
+
+    def directory(self) -> bytes:
+        cd = io.BytesIO()
+        for e in self.entries:
+            extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.header_offset)
+            cd.write(_CENTRAL.pack(0x02014B50, 45, 45, 0, 0, 0, 0x21, e.crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                                   len(e.name), len(extra), 0, 0, 0, 0, 0xFFFFFFFF) + e.name + extra)
+        cd_bytes = cd.getvalue()
+        n = len(self.entries)
+        tail = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, len(cd_bytes), self.size)
+        tail += struct.pack("<IIQI", 0x07064B50, 0, self.size + len(cd_bytes), 1)
+        tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+        return cd_bytes + tail
+
+    @property
+    def total(self) -> int:
+        return self.size + len(self.directory())
+
+    def write_small(self, fd: int) -> None:
+        for e in self.entries:
+            if e.data is not None:
+                e.crc = zlib.crc32(e.data)
+                os.pwrite(fd, self._local(e) + e.data, self.base + e.header_offset)
+
+    def finish(self, fd: int, crcs: dict[int, int]) -> int:
+        for i, crc in crcs.items():
+            self.entries[i].crc = crc
+        for i in self.data:
+            e = self.entries[i]
+            os.pwrite(fd, self._local(e), self.base + e.header_offset)
+        os.pwrite(fd, self.directory(), self.base + self.size)
+        return self.total
+
+
+def _archive(pickle_bytes: bytes, data_nbytes: int | None) -> _ItemLayout:
+    """The records torch.save writes, in its order; ``data/0`` when the item is a tensor."""
+    layout = _ItemLayout("archive")
+    layout.add("data.pkl", len(pickle_bytes), pickle_bytes)
+    for name, data in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
+        layout.add(name, len(data), data)
+    if data_nbytes is not None:
+        layout.data.append(len(layout.entries))
+        layout.add("data/0", data_nbytes)
+    layout.add("version", 2, b"3\n")
+    layout.add(".data/serialization_id", len(_SERIALIZATION_ID), _SERIALIZATION_ID)
+    return layout
+
+
+@dataclass
+class _Item:
+    key: str
+    layout: _ItemLayout
+    box: Box | None = None  # None: a non-tensor value
+    index: int | None = None  # the chunk's position in the key's chunk list
+    rank: int = -1
+    file_offset: int = 0
+
+    @property
+    def data_offset(self) -> int:
+        """Absolute offset of the tensor's bytes in the rank file."""
+        return self.file_offset + self.layout.entries[self.layout.data[0]].data_offset
+
+
+def _dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
+    """FSDP2's dim-0 shards, one per rank, as (rank, box), equal boxes once (the
+    first rank keeps it): ceil(rows / N) rows each, the remainder on the last
+    rank with data, empty boxes at offset ``rows`` past it
+    (torch.distributed.tensor's ``_local_shard_size_and_offset``)."""
+    rows = shape[0]
+    per = -(-rows // world_size)
+    out: list[tuple[int, Box]] = []
+    seen: set[int] = set()
+    for r in range(world_size):
+        start = min(r * per, rows)
+        stop = min(start + per, rows)
+        if start in seen:
+            continue
+        seen.add(start)
+        out.append((r, Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))))
+    return out
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out: list[int] = []
+    acc = 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+@dataclass
+class _Plan:
+    world_size: int
+    flat: list[tuple[str, tuple[PathItem, ...], Any]]
+    items: list[_Item] = field(default_factory=list)
+    by_key: dict[str, list[_Item]] = field(default_factory=dict)
+    file_sizes: list[int] = field(default_factory=list)
+
+
+def _plan(ckpt: Checkpoint, opts: Options) -> _Plan:
+    ws = opts.world_size
+    plan = _Plan(ws, _flatten(_state(ckpt, opts)))
+    load = [0] * ws
+    floating: list[_Item] = []  # placed after the shards, on the least loaded rank
+    for key, path, value in plan.flat:
+        items: list[_Item] = []
+        if isinstance(value, _Leaf):
+            if value.sharded and value.shape:
+                boxes = _dim0_boxes(value.shape, ws)
+            else:
+                boxes = [(-1, Box(tuple(0 for _ in value.shape), value.shape))]
+            for i, (rank, box) in enumerate(boxes):
+                pkl = dumps(TensorOut(StorageOut("0", value.dtype, box.numel), box.sizes))
+                items.append(_Item(key, _archive(pkl, box.numel * itemsize(value.dtype)), box, i, rank))
+        else:
+            if _holds_tensor(value):
+                where = "/".join(map(str, path))
+                raise RavexError(f"the state value at '{where}' holds a tensor inside a tuple or set, which DCP would pickle whole",
+                                 hint="keep tensors in dicts or lists in the extra state")
+            items.append(_Item(key, _archive(dumps(value), None)))
+        for it in items:
+            if it.rank >= 0:
+                load[it.rank] += it.layout.total
+            else:
+                floating.append(it)
+        plan.by_key[key] = items
+        plan.items.extend(items)
+    for it in floating:
+        it.rank = min(range(ws), key=lambda r: load[r])
+        load[it.rank] += it.layout.total
+    plan.file_sizes = [0] * ws
+    for it in plan.items:
+        it.file_offset = plan.file_sizes[it.rank]
+        plan.file_sizes[it.rank] += it.layout.total
+    return plan
+
+
+# ---------------------------------------------------------------- .metadata
+
+
+def _metadata(plan: _Plan, form: str) -> bytes:
+    """``.metadata`` as FileSystemWriter.finish pickles it, from torch's own classes."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    has_strides = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
+    sd_meta: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    planner: dict[str, tuple[PathItem, ...]] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for key, path, value in plan.flat:
+        planner[key] = path
+        items = plan.by_key[key]
+        if isinstance(value, _Leaf):
+            props = TensorProperties(dtype=getattr(torch, value.dtype))
+            if has_strides:
+                props.strides = _strides(value.shape)  # the global tensor's, as DTensor.stride() gives
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(it.box.offsets), sizes=torch.Size(it.box.sizes)) for it in items if it.box]
+            sd_meta[key] = TensorStorageMetadata(properties=props, size=torch.Size(value.shape), chunks=chunks)
+            for it in items:
+                offsets = it.box.offsets if it.box else ()
+                storage[MetadataIndex(key, offsets, it.index)] = _StorageInfo(_file_name(it.rank), it.file_offset, it.layout.total)
+        else:
+            sd_meta[key] = BytesStorageMetadata()
+            it = items[0]
+            storage[MetadataIndex(key)] = _StorageInfo(_file_name(it.rank), it.file_offset, it.layout.total)
+    md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage)
+    names = {f.name for f in dataclasses.fields(Metadata)}
+    if "storage_meta" in names:
+        md.storage_meta = StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()))
+    if "version" in names:
+        md.version = _DCP_VERSION
+    out = io.BytesIO()
+    pickler = _CompatPickler(out, protocol=4) if form == "compat" else pickle.Pickler(out, protocol=4)
+    pickler.dump(md)
+    return out.getvalue()
+
+
+class _CompatPickler(pickle.Pickler):
+    """Pickles ``TensorProperties`` with the five fields torch < 2.15 reads
+    (its ``__setstate__`` unpacks exactly five), the NEWOBJ + BUILD form that
+    torch's own pickling of the dataclass produces."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import TensorProperties
+
+        if type(obj) is TensorProperties:
+            # torch's own reduction (copyreg.__newobj__, (cls,), state), state cut to five
+            reduced = obj.__reduce_ex__(4)
+            if isinstance(reduced, tuple) and len(reduced) >= 3 and isinstance(reduced[2], tuple):
+                return (reduced[0], reduced[1], reduced[2][:5], *reduced[3:])
+        return NotImplemented
+
+
+def _file_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, metadata_form: str = "current") -> dict[str, Any]:
+    """Write ``ckpt`` as a DCP checkpoint directory sharded as FSDP2 shards at
+    ``opts.world_size`` ranks (see the module docstring), built beside ``dst``
+    and renamed into place; ``.metadata`` is written last. ``metadata_form``:
+    ``"current"`` (torch >= 2.15 reads it) or ``"compat"`` (torch 2.4 and later)."""
+    if metadata_form not in METADATA_FORMS:
+        raise RavexError(f"metadata form '{metadata_form}' is unknown", hint=f"use one of {', '.join(METADATA_FORMS)}")
+    if opts.world_size < 1:
+        raise RavexError(f"--world-size {opts.world_size}: a DCP checkpoint needs at least one rank", hint="pass --world-size 1 or more")
+    plan = _plan(ckpt, opts)
+    meta = _metadata(plan, metadata_form)  # before any byte is written: torch's classes must accept it
+    ws = plan.world_size
+    with staged(dst, opts.force) as tmp:
+        tmp.mkdir()
+        paths = [tmp / _file_name(r) for r in range(ws)]
+        per_rank: list[list[_Item]] = [[] for _ in range(ws)]
+        for it in plan.items:
+            per_rank[it.rank].append(it)
+        fds: list[int] = []
+        try:
+            for r, path in enumerate(paths):
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
+                os.ftruncate(fds[r], plan.file_sizes[r])
+                for it in per_rank[r]:
+                    it.layout.base = it.file_offset
+                    it.layout.write_small(fds[r])
+            job = CopyJob()
+            for path in paths:
+                job.target(path)
+            for key, _, value in plan.flat:
+                if isinstance(value, _Leaf):
+                    targets = [Target(it.rank, it.data_offset, it.box, value.dtype) for it in plan.by_key[key] if it.box and it.box.numel]
+                    if targets:
+                        job.add(ckpt.tensors[value.source], targets)
+            job.run(progress=progress, sync=False)
+            for r, fd in enumerate(fds):
+                with_data = [it for it in per_rank[r] if it.layout.data]
+                ranges = [(it.data_offset, it.layout.entries[it.layout.data[0]].size) for it in with_data]
+                crcs = _core.checksum_ranges(str(paths[r]), ranges, "crc32") if ranges else []
+                crc_of = {id(it): crc for it, crc in zip(with_data, crcs)}
+                for it in per_rank[r]:
+                    it.layout.finish(fd, {i: crc_of[id(it)] for i in it.layout.data})
+                os.fsync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        # the commit point: data files complete and synced, then .metadata by rename
+        part = tmp / f"{METADATA}.tmp"
+        with open(part, "wb") as f:
+            f.write(meta)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, tmp / METADATA)
+        fsync_dir(tmp)
+    total = sum(plan.file_sizes) + len(meta)
+    return {"files": [_file_name(r) for r in range(ws)] + [METADATA], "tensors": len(ckpt.tensors), "keys": len(plan.flat),
+            "items": len(plan.items), "bytes": total, "world_size": ws, "metadata_form": metadata_form}

@@ -1,0 +1,683 @@
+"""Writing the native Ravex store (spec: docs/format.md, version 1).
+
+:func:`write` appends one checkpoint to a store, creating the store first when
+the directory is absent or empty, and :func:`prune` keeps the newest N. Both
+hold the store lock (section 2), clean up after a crashed writer and run the
+sweep (sections 4, 5). A checkpoint becomes visible only when the manifest is
+renamed into place (section 3, step 4); every failure before that removes what
+it wrote and leaves the manifest untouched.
+
+Layout: ``opts.world_size`` ranks, each tensor split on dim 0 as
+``torch.chunk`` splits it, rank ``r`` writing ``rank<r>.safetensors`` (or
+``rank<r>.zst``). A chunk whose bytes are those of the same chunk in the
+newest checkpoint (same name, shape, dtype and region, same xxh3 of the source
+bytes) is not written again: its entry is copied and points at the old file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from .. import _core
+from .._engine import CopyJob, Target
+from .._output import Options, fsync_dir, out_dtype
+from .._tagged import encode
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError
+from ..model import OBJ, Box, Checkpoint, Flat, LogicalTensor, Region, TensorLink, itemsize, numel
+from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, _load_json, read_manifest
+
+__all__ = ["SAFETENSORS_CODES", "prune", "write"]
+
+SAFETENSORS_CODES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+MAX_INDEX = 99_999_999
+CHECKPOINTS = "checkpoints"
+LOCK = "lock"
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NUMBERED = re.compile(r"(\d{8})")
+_ANY_INDEX = re.compile(r"(\d{8})(?:\.tmp-.*)?")
+_CHECKSUM = re.compile(r"xxh3-64:[0-9a-f]{16}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_IO_HINT = "check free space and permissions at the store"
+
+
+# ---------------------------------------------------------------- the lock
+
+
+@contextlib.contextmanager
+def _locked(store: Path, run_id: str) -> Iterator[None]:
+    """Hold ``<store>/lock`` (exclusive, non-blocking flock) for the block."""
+    path = store / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise RavexError(
+                f"{store}: another process is writing to this store ({_holder(fd)}); Ravex does not wait for it",
+                hint="only one process may write to a store at a time: wait for that run to finish or stop it, or write to another store",
+                path=store,
+            ) from None
+        note = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id, "since_unix": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(note).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file itself is never deleted
+
+
+def _holder(fd: int) -> str:
+    try:
+        note = json.loads(os.pread(fd, 4096, 0).decode())
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(note["since_unix"])))
+        return f"pid {note['pid']} on host {note['host']}, run {note['run_id']}, since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown: the lock file names no process yet"
+
+
+# ---------------------------------------------------------------- small files
+
+
+def _write_json(path: Path, doc: dict[str, Any], tmp: Path, indent: int | None = None) -> None:
+    """``tmp`` written and fsynced, then renamed to ``path`` (the caller fsyncs the directory)."""
+    data = (json.dumps(doc, indent=indent, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_manifest(store: Path, manifest: dict[str, Any], run_id: str) -> None:
+    """Section 3, step 4: the rename is the commit point."""
+    _write_json(store / MANIFEST, manifest, store / f"{MANIFEST}.tmp-{run_id}", indent=1)
+    fsync_dir(store)
+
+
+def _creation_leftover(p: Path) -> bool:
+    """What an interrupted creation (section 2) may have left: never a store, safe to finish."""
+    if p.name == CHECKPOINTS:
+        return p.is_dir() and not any(p.iterdir())
+    if p.name in (LOCK, MANIFEST):
+        return p.is_file()
+    return p.name.startswith((f"{MANIFEST}.tmp-", f"{STORE_MARKER}.tmp-")) and p.is_file()
+
+
+def _prepare_dir(store: Path) -> None:
+    if store.exists() and not store.is_dir():
+        raise RavexError(f"{store}: exists and is not a directory, so it cannot be a Ravex store", hint="choose another destination", path=store)
+    if store.is_dir() and not (store / STORE_MARKER).exists():
+        other = sorted(p.name for p in store.iterdir() if not _creation_leftover(p))
+        if other:
+            shown = ", ".join(other[:5]) + (", ..." if len(other) > 5 else "")
+            raise RavexError(
+                f"{store}: exists and is not a Ravex store (no {STORE_MARKER}; it holds {shown})",
+                hint="write to a new or empty directory, or to an existing store (a directory with ravex-store.json)",
+                path=store,
+            )
+    store.mkdir(parents=True, exist_ok=True)
+    (store / CHECKPOINTS).mkdir(exist_ok=True)
+
+
+def _create(store: Path, run_id: str) -> None:
+    """Section 2: the manifest first, the marker last, so a half-made store never looks like one."""
+    for leftover in store.glob("*.tmp-*"):
+        leftover.unlink()
+    manifest = {"format": "ravex-store", "format_version": FORMAT_VERSION, "next_index": 0, "checkpoints": []}
+    _write_json(store / MANIFEST, manifest, store / f"{MANIFEST}.tmp-{run_id}", indent=1)
+    marker = {"format": "ravex-store", "format_version": FORMAT_VERSION, "created_unix": time.time(), "store_id": uuid.uuid4().hex}
+    _write_json(store / STORE_MARKER, marker, store / f"{STORE_MARKER}.tmp-{run_id}", indent=1)
+    fsync_dir(store)
+
+
+# ---------------------------------------------------------------- the manifest and its entries
+
+
+@dataclass
+class _Entry:
+    entry: dict[str, Any]
+    doc: dict[str, Any] | None = None
+    refs: frozenset[str] = frozenset()
+    problem: str | None = None  # why it is not loadable (section 6)
+
+    @property
+    def index(self) -> int:
+        return int(self.entry["index"])
+
+
+def _entries(store: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    where = store / MANIFEST
+
+    def corrupt(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {why}", hint="the manifest is damaged; restore it from a copy of the store", path=where)
+
+    nxt = manifest.get("next_index")
+    if not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0:
+        raise corrupt(f"next_index is {nxt!r}, not a non-negative integer")
+    last = -1
+    for e in manifest["checkpoints"]:
+        i = e.get("index") if isinstance(e, dict) else None
+        if not isinstance(i, int) or isinstance(i, bool) or not last < i < nxt:
+            raise corrupt(f"entry {e!r} has no valid index (increasing, below next_index {nxt})")
+        if e.get("dir") != f"{CHECKPOINTS}/{i:08d}":
+            raise corrupt(f"entry {i} has dir {e.get('dir')!r}, expected '{CHECKPOINTS}/{i:08d}'")
+        last = i
+    return list(manifest["checkpoints"])
+
+
+def _load_entry(store: Path, entry: dict[str, Any]) -> _Entry:
+    """An entry and its checkpoint.json; ``problem`` says why it is not loadable.
+    A checkpoint.json of a newer format version raises: its references are unknown."""
+    out = _Entry(entry)
+    if entry.get("status") != "complete":
+        out.problem = f"its status is {entry.get('status')!r}"
+        return out
+    path = store / str(entry["dir"]) / CHECKPOINT
+    try:
+        doc = _load_json(path, "ravex-checkpoint")
+    except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+        out.problem = exc.message
+        return out
+    if doc.get("index") != entry["index"] or doc.get("run_id") != entry.get("run_id"):
+        out.problem = f"{path} does not match its manifest entry (index {doc.get('index')!r}, run_id {doc.get('run_id')!r})"
+        return out
+    refs = {f"{entry['dir']}/{CHECKPOINT}"}
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, dict) or not all(isinstance(t, dict) and isinstance(t.get("chunks"), list) for t in tensors.values()):
+        out.problem = f"{path} has a malformed 'tensors' object"
+        return out
+    for t in tensors.values():
+        for c in t["chunks"]:
+            if not isinstance(c, dict) or not isinstance(c.get("file"), str):
+                out.problem = f"{path} has a chunk without a 'file'"
+                return out
+            refs.add(c["file"])
+    out.doc, out.refs = doc, frozenset(refs)
+    return out
+
+
+def _highest_dir_index(store: Path) -> int:
+    found = [int(m.group(1)) for p in (store / CHECKPOINTS).iterdir() if (m := _ANY_INDEX.fullmatch(p.name))]
+    return max(found, default=-1)
+
+
+def _cleanup(store: Path) -> None:
+    """Section 4: under the lock, whatever a crashed writer left is garbage."""
+    for p in (store / CHECKPOINTS).glob("*.tmp-*"):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    for p in store.glob(f"{MANIFEST}.tmp-*"):
+        p.unlink()
+
+
+def _sweep(store: Path, entries: list[_Entry]) -> list[str]:
+    """Section 5: delete unlisted numbered directories, keeping files a listed
+    checkpoint references. Returns warnings."""
+    broken = [e for e in entries if e.problem is not None]
+    if broken:
+        return [f"{store}: checkpoint {e.index} is not loadable ({e.problem}); the sweep deleted nothing" for e in broken]
+    warnings: list[str] = []
+    refs = frozenset().union(*(e.refs for e in entries))
+    listed = {str(e.entry["dir"]).rsplit("/", 1)[-1] for e in entries}
+    root = store / CHECKPOINTS
+    for d in sorted(root.iterdir()):
+        if not _NUMBERED.fullmatch(d.name) or not d.is_dir() or d.is_symlink():
+            warnings.append(f"{d}: not part of the store (ignored)")
+            continue
+        if d.name in listed:
+            continue
+        kept = {p.name for p in d.iterdir() if f"{CHECKPOINTS}/{d.name}/{p.name}" in refs}
+        if not kept:
+            shutil.rmtree(d)
+            continue
+        # Retained for data: checkpoint.json goes first, so a half-swept directory never looks like a checkpoint.
+        with contextlib.suppress(FileNotFoundError):
+            (d / CHECKPOINT).unlink()
+        for p in d.iterdir():
+            if p.name in kept:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        fsync_dir(d)
+    fsync_dir(root)
+    return warnings
+
+
+def _open(store: Path, run_id: str) -> tuple[dict[str, Any], list[_Entry], int, list[str]]:
+    """Under the lock: the manifest, its entries, the highest index any directory
+    name holds, and the sweep's warnings (after the crash cleanup)."""
+    manifest = read_manifest(store)
+    raw = _entries(store, manifest)
+    highest = _highest_dir_index(store)
+    _cleanup(store)
+    entries = [_load_entry(store, e) for e in raw]
+    return manifest, entries, highest, _sweep(store, entries)
+
+
+# ---------------------------------------------------------------- planning a checkpoint
+
+
+@dataclass
+class _Out:
+    """One chunk of the new checkpoint."""
+
+    tensor: LogicalTensor
+    k: int  # position in the tensor's chunks
+    rank: int
+    region: Box
+    dtype: str
+    entry: dict[str, Any] | None = None  # the chunk entry, reused or written
+    file: str = ""  # data file name, for a chunk written now
+    offset: int = 0  # in the file (the raw temporary file when compressing)
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * itemsize(self.dtype)
+
+
+def _split(name: str, shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
+    """(rank, region) per chunk: dim 0 in ``torch.chunk`` sizes; no chunks for no
+    elements. 0-d tensors and ``obj/`` tensors (state inside objects, such as an
+    RNG state: per process, not sharded) go whole to rank 0, as in the spec's
+    worked example (docs/format.md section 16)."""
+    if numel(shape) == 0:
+        return []
+    if not shape or world_size == 1 or name.startswith(OBJ):
+        return [(0, Box(tuple(0 for _ in shape), shape))]
+    rows = shape[0]
+    per = -(-rows // world_size)
+    return [(r, Box((r * per, *(0 for _ in shape[1:])), (min(per, rows - r * per), *shape[1:]))) for r in range(-(-rows // per))]
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not name or len(name.encode("utf-8")) > 1024 or "@" in name or _CONTROL.search(name):
+        raise RavexError(
+            f"{what} {name!r} cannot be stored: a logical name is 1 to 1024 UTF-8 bytes, without '@' or control characters",
+            hint="rename the tensor (e.g. --strip-prefix) before writing a Ravex store",
+        )
+
+
+def _plan(ckpt: Checkpoint, opts: Options) -> list[_Out]:
+    for name in ckpt.tensors:
+        _check_name(name, "tensor")
+    for alias, target in ckpt.aliases.items():
+        _check_name(alias, "alias")
+        if alias in ckpt.tensors:
+            raise RavexError(f"'{alias}' is both a stored tensor and an alias", hint="a logical name is unique across tensors and aliases")
+        if target not in ckpt.tensors:
+            raise RavexError(f"alias '{alias}' names '{target}', which is not a stored tensor", hint="an alias must point at a tensor the checkpoint stores")
+    outs: list[_Out] = []
+    for name, t in ckpt.tensors.items():
+        dtype = out_dtype(t, opts)
+        if dtype not in SAFETENSORS_CODES:
+            raise RavexError(f"tensor '{name}' has dtype {dtype}, which a Ravex store (format version 1) cannot hold",
+                             hint=f"the store holds {', '.join(SAFETENSORS_CODES)}; leave the tensor out or convert it first")
+        if any(not isinstance(s, int) or s < 0 for s in t.shape):
+            raise RavexError(f"tensor '{name}' has shape {list(t.shape)}", hint="a shape lists non-negative integers")
+        t = t if t.name == name else LogicalTensor(name, t.shape, t.dtype, t.chunks)
+        outs.extend(_Out(t, k, rank, box, dtype) for k, (rank, box) in enumerate(_split(name, tuple(t.shape), opts.world_size)))
+    return outs
+
+
+def _check_links(value: Any, path: str, known: set[str]) -> None:
+    if isinstance(value, TensorLink):
+        if value.name not in known:
+            raise RavexError(f"{path} refers to tensor '{value.name}', which the checkpoint does not hold",
+                             hint="every tensor inside objects must be one of the checkpoint's logical tensors")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_links(v, f"{path}.{k}", known)
+    elif isinstance(value, (list, tuple, set)):
+        for i, v in enumerate(value):
+            _check_links(v, f"{path}[{i}]", known)
+
+
+def _objects(ckpt: Checkpoint) -> dict[str, Any]:
+    known = set(ckpt.tensors) | set(ckpt.aliases)
+    out: dict[str, Any] = {}
+    for key, value in ckpt.objects.items():
+        if not isinstance(key, str):
+            raise RavexError(f"objects key {key!r} is not a string", hint="objects are keyed by name (optim.param_groups, lr_scheduler, extra, ...)")
+        _check_links(value, f"objects.{key}", known)
+        out[key] = encode(value, f"objects.{key}")
+    return out
+
+
+def _source(ckpt: Checkpoint) -> dict[str, Any]:
+    from .. import __version__
+
+    versions = {"ravex": __version__, "python": platform.python_version()}
+    with contextlib.suppress(PackageNotFoundError):
+        versions["torch"] = version("torch")
+    src = dict(ckpt.source)
+    if isinstance(src.get("ds_version"), str):
+        versions["deepspeed"] = src["ds_version"]
+    out: dict[str, Any] = {"format": ckpt.format, "versions": versions, "path": str(ckpt.path), "world_size": ckpt.world_size}
+    if ckpt.notes:
+        out["notes"] = [str(n) for n in ckpt.notes]
+    for k, v in src.items():  # the reader's provenance (variant, tag, ...), where it is a plain value
+        if k not in out and (v is None or isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v))):
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------- reusing unchanged chunks
+
+
+def _flat_range(region: Region, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(first element, count) when the region's elements are one contiguous run of the row-major tensor."""
+    if isinstance(region, Flat):
+        return region.start, region.length
+    offs, sizes = region.offsets, region.sizes
+    if len(sizes) != len(shape) or numel(sizes) == 0:
+        return None
+    d = next((j for j, s in enumerate(sizes) if s != 1), len(sizes))
+    if any(sizes[j] != shape[j] for j in range(d + 1, len(shape))):
+        return None
+    start, stride = 0, 1
+    for j in reversed(range(len(shape))):
+        start += offs[j] * stride
+        stride *= shape[j]
+    return start, numel(sizes)
+
+
+def _cheap_source(o: _Out) -> tuple[Path, int, int] | bytes | None:
+    """The source bytes of ``o`` when one uncompressed source chunk of the same
+    dtype holds them as one contiguous range (file range or inline bytes); else None."""
+    shape = tuple(o.tensor.shape)
+    want = _flat_range(o.region, shape)
+    size = itemsize(o.dtype)
+    if want is None:
+        return None
+    for c in o.tensor.chunks:
+        if c.dtype != o.dtype or c.compression is not None:
+            continue
+        have = _flat_range(c.region, shape)
+        if have is None or not (have[0] <= want[0] and want[0] + want[1] <= have[0] + have[1]):
+            continue
+        skip = (want[0] - have[0]) * size
+        if c.data is not None:
+            return c.data[skip:skip + want[1] * size]
+        if c.file is not None:
+            return c.file, c.offset + skip, want[1] * size
+    return None
+
+
+def _reusable(store: Path, o: _Out, prev: dict[str, Any], compression: str | None) -> dict[str, Any] | None:
+    """The previous checkpoint's entry for the same chunk, when its layout matches and its file is intact in size."""
+    t = prev.get(o.tensor.name)
+    if not isinstance(t, dict) or t.get("dtype") != o.dtype or t.get("shape") != list(o.tensor.shape) or not isinstance(t.get("chunks"), list):
+        return None
+    region = o.region.to_json()
+    for c in t["chunks"]:
+        if not isinstance(c, dict) or c.get("region") != region:
+            continue
+        ok = (c.get("compression") == compression and c.get("nbytes") == o.nbytes and isinstance(c.get("offset"), int)
+              and isinstance(c.get("stored_nbytes"), int) and isinstance(c.get("checksum"), str) and _CHECKSUM.fullmatch(c["checksum"]))
+        if not ok:
+            return None
+        try:
+            if (store / str(c["file"])).stat().st_size < c["offset"] + c["stored_nbytes"]:
+                return None
+        except OSError:
+            return None
+        return dict(c)
+    return None
+
+
+def _reuse(store: Path, outs: list[_Out], prev: _Entry | None, compression: str | None) -> None:
+    """Point unchanged chunks at the previous checkpoint's bytes (section 5, reuse by content)."""
+    if prev is None or prev.doc is None or not isinstance(prev.doc.get("tensors"), dict):
+        return
+    by_file: dict[Path, list[tuple[_Out, dict[str, Any], int, int]]] = {}
+    for o in outs:
+        old = _reusable(store, o, prev.doc["tensors"], compression)
+        src = _cheap_source(o) if old is not None else None
+        if old is None or src is None:
+            continue
+        if isinstance(src, bytes):
+            if f"xxh3-64:{_core.xxh3_64(src):016x}" == old["checksum"]:
+                o.entry = old
+        else:
+            by_file.setdefault(src[0], []).append((o, old, src[1], src[2]))
+    for path, items in by_file.items():
+        try:
+            sums = _core.checksum_ranges(str(path), [(off, n) for _, _, off, n in items], "xxh3-64")
+        except (OSError, ValueError):
+            continue  # an unreadable or short source: the copy will report it
+        for (o, old, _, _), h in zip(items, sums):
+            if f"xxh3-64:{h:016x}" == old["checksum"]:
+                o.entry = old
+
+
+# ---------------------------------------------------------------- data files
+
+
+def _header(outs: list[_Out]) -> bytes:
+    """A safetensors header for the chunks in one file, space-padded to a multiple of 8 (section 12)."""
+    header: dict[str, Any] = {}
+    pos = 0
+    for o in outs:
+        header[f"{o.tensor.name}@{o.k}"] = {"dtype": SAFETENSORS_CODES[o.dtype], "shape": list(o.region.sizes), "data_offsets": [pos, pos + o.nbytes]}
+        pos += o.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_data(tmp: Path, rel_dir: str, outs: list[_Out], compression: str | None, progress: Callable[[int], None] | None) -> list[str]:
+    """Write every chunk without an entry into rank files under ``tmp``; fill in
+    their entries (file, offset, checksum). Returns the data file names."""
+    by_rank: dict[int, list[_Out]] = {}
+    for o in outs:
+        if o.entry is None:
+            by_rank.setdefault(o.rank, []).append(o)
+    job = CopyJob()
+    targets: dict[str, list[Target]] = {}
+    tensors: dict[str, LogicalTensor] = {}
+    files: dict[Path, list[_Out]] = {}
+    for rank, chunks in sorted(by_rank.items()):
+        if compression is None:
+            path, head = tmp / f"rank{rank:05d}.safetensors", _header(chunks)
+        else:
+            path, head = tmp / f"rank{rank:05d}.raw.tmp", b""  # the uncompressed bytes, framed below
+        with open(path, "wb") as f:
+            f.write(head)
+            f.truncate(len(head) + sum(o.nbytes for o in chunks))
+        ti = job.target(path)
+        pos = len(head)
+        for o in chunks:
+            o.file, o.offset = (path.name if compression is None else f"rank{rank:05d}.zst"), pos
+            pos += o.nbytes
+            targets.setdefault(o.tensor.name, []).append(Target(ti, o.offset, o.region, o.dtype))
+            tensors[o.tensor.name] = o.tensor
+        files[path] = chunks
+    for name, tt in targets.items():
+        job.add(tensors[name], tt)
+    job.run(progress=progress, sync=compression is None)
+    names = []
+    for path, chunks in files.items():
+        sums = _core.checksum_ranges(str(path), [(o.offset, o.nbytes) for o in chunks], "xxh3-64")
+        stored = [o.nbytes for o in chunks]
+        if compression is not None:
+            stored = _compress(path, tmp / chunks[0].file, chunks)
+            path.unlink()
+        names.append(chunks[0].file)
+        for o, h, n in zip(chunks, sums, stored):
+            o.entry = {"file": f"{rel_dir}/{o.file}", "offset": o.offset, "nbytes": o.nbytes, "stored_nbytes": n,
+                       "compression": compression, "region": o.region.to_json(), "checksum": f"xxh3-64:{h:016x}"}
+    return names
+
+
+def _compress(raw: Path, dst: Path, chunks: list[_Out]) -> list[int]:
+    """One independent zstd frame per chunk, appended to ``dst``; memory bounded by one chunk.
+    Sets each chunk's offset to its frame's; returns the frame lengths."""
+    lengths = []
+    pos = 0
+    with open(dst, "wb") as f:
+        for o in chunks:
+            frame = _core.compress_range(str(raw), o.offset, o.nbytes)
+            f.write(frame)
+            o.offset = pos
+            pos += len(frame)
+            lengths.append(len(frame))
+        f.flush()
+        os.fsync(f.fileno())
+    return lengths
+
+
+# ---------------------------------------------------------------- write and prune
+
+
+def _listed_any(store: Path) -> bool:
+    try:
+        return bool(json.loads((store / MANIFEST).read_text())["checkpoints"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _listed(store: Path, index: int) -> bool:
+    """Whether the manifest on disk lists ``index`` (a failure after the commit rename must keep it)."""
+    try:
+        return any(e.get("index") == index for e in json.loads((store / MANIFEST).read_text())["checkpoints"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def write(ckpt: Checkpoint, store: Path, opts: Options, *, run_id: str | None = None,
+          progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Append ``ckpt`` to the store at ``store`` as a new checkpoint (creating the
+    store in an absent or empty directory) and commit it.
+
+    Returns ``index``, ``dir``, ``step``, ``tensors``, ``bytes`` (logical size),
+    ``bytes_written`` (data files written now), ``bytes_reused`` (chunk bytes
+    pointing at earlier checkpoints), ``files``, ``run_id`` and ``warnings``.
+    Raises :class:`RavexError` subclasses; a failure leaves the store as it was.
+    """
+    store = Path(store)
+    run_id = uuid.uuid4().hex[:12] if run_id is None else run_id
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise RavexError(f"run id {run_id!r} is not 1 to 64 letters, digits, '_' or '-'", hint="leave it out to get a fresh one")
+    if not isinstance(opts.world_size, int) or opts.world_size < 1:
+        raise RavexError(f"--world-size {opts.world_size}: not a positive integer", hint="use 1 or more")
+    if opts.compression not in (None, "zstd"):
+        raise RavexError(f"--compression {opts.compression}: a Ravex store holds uncompressed or zstd chunks", hint="use none or zstd")
+    outs = _plan(ckpt, opts)
+    objects = _objects(ckpt)
+    source = _source(ckpt)
+    fresh = not store.exists()
+    try:
+        _prepare_dir(store)
+        if fresh:
+            fsync_dir(store.parent)
+        with _locked(store, run_id):
+            try:
+                if not (store / STORE_MARKER).is_file():
+                    _create(store, run_id)
+                return _commit(ckpt, store, opts, run_id, outs, objects, source, progress)
+            except BaseException:
+                if fresh and not _listed_any(store):
+                    # A store made by this call for a checkpoint that failed: leave nothing behind.
+                    shutil.rmtree(store, ignore_errors=True)
+                raise
+    except OSError as exc:
+        raise RavexError(f"{store}: writing the store failed: {exc}", hint=_IO_HINT, path=store) from exc
+
+
+def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: list[_Out], objects: dict[str, Any],
+            source: dict[str, Any], progress: Callable[[int], None] | None) -> dict[str, Any]:
+    manifest, entries, highest, warnings = _open(store, run_id)
+    index = max(int(manifest["next_index"]), highest + 1)
+    if index > MAX_INDEX:
+        raise RavexError(f"{store}: the store has used every checkpoint index (up to {MAX_INDEX})", hint="start a new store", path=store)
+    loadable = [e for e in entries if e.problem is None]
+    _reuse(store, outs, loadable[-1] if loadable else None, opts.compression)
+    rel_dir = f"{CHECKPOINTS}/{index:08d}"
+    tmp = store / CHECKPOINTS / f"{index:08d}.tmp-{run_id}"
+    final = store / rel_dir
+    reused = [o for o in outs if o.entry is not None]
+    try:
+        tmp.mkdir()
+        names = _write_data(tmp, rel_dir, outs, opts.compression, progress)
+        bytes_written = sum((tmp / n).stat().st_size for n in names)
+        fsync_dir(tmp)
+        now = time.time()
+        step = ckpt.step if isinstance(ckpt.step, int) and not isinstance(ckpt.step, bool) else None
+        tensors: dict[str, Any] = {name: {"dtype": out_dtype(t, opts), "shape": list(t.shape), "chunks": []} for name, t in ckpt.tensors.items()}
+        for o in outs:
+            tensors[o.tensor.name]["chunks"].append(o.entry)
+        doc = {
+            "format": "ravex-checkpoint", "format_version": FORMAT_VERSION, "index": index, "step": step, "run_id": run_id,
+            "created_unix": now, "world_size": opts.world_size, "source": source, "tensors": tensors,
+            "aliases": dict(ckpt.aliases), "objects": objects,
+        }
+        _write_json(tmp / CHECKPOINT, doc, tmp / f"{CHECKPOINT}.tmp")
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+        fsync_dir(store / CHECKPOINTS)
+        logical = sum(numel(tuple(t["shape"])) * itemsize(t["dtype"]) for t in tensors.values())
+        entry = {"index": index, "dir": rel_dir, "step": step, "status": "complete", "created_unix": now, "run_id": run_id,
+                 "world_size": opts.world_size, "bytes": logical, "tensors": len(tensors)}
+        _write_manifest(store, {**manifest, "next_index": index + 1, "checkpoints": [*manifest["checkpoints"], entry]}, run_id)
+    except BaseException:
+        if not _listed(store, index):
+            for d in (tmp, final):
+                shutil.rmtree(d, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                (store / f"{MANIFEST}.tmp-{run_id}").unlink()
+        raise
+    return {
+        "index": index, "dir": str(final), "step": step, "tensors": len(tensors), "aliases": len(ckpt.aliases), "bytes": logical,
+        "bytes_written": bytes_written, "bytes_reused": sum(o.nbytes for o in reused), "chunks_written": len(outs) - len(reused),
+        "chunks_reused": len(reused), "files": [f"{rel_dir}/{n}" for n in names], "run_id": run_id, "warnings": warnings,
+    }
+
+
+def prune(store: Path, keep_last: int, *, pinned: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """Keep the ``keep_last`` newest loadable checkpoints, every pinned one and
+    every one that is not loadable; drop the rest from the manifest, then sweep
+    their files (section 5). Returns the indices dropped, in order."""
+    store = Path(store)
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+        raise RavexError(f"keep_last {keep_last!r}: keep at least one checkpoint", hint="use keep_last >= 1")
+    if not (store / STORE_MARKER).is_file():
+        raise NotFoundError(f"{store}: not a Ravex store (no {STORE_MARKER})", hint="point at the store directory", path=store)
+    run_id = uuid.uuid4().hex[:12]
+    try:
+        with _locked(store, run_id):
+            manifest, entries, _, _ = _open(store, run_id)
+            loadable = [e.index for e in entries if e.problem is None]
+            keep = set(loadable[-keep_last:]) | set(pinned) | {e.index for e in entries if e.problem is not None}
+            dropped = [e.index for e in entries if e.index not in keep]
+            if dropped:
+                kept = [e for e in entries if e.index in keep]
+                _write_manifest(store, {**manifest, "checkpoints": [e.entry for e in kept]}, run_id)
+                _sweep(store, kept)
+            return dropped
+    except OSError as exc:
+        raise RavexError(f"{store}: pruning the store failed: {exc}", hint=_IO_HINT, path=store) from exc
