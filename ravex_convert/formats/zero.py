@@ -182,8 +182,8 @@ def _find_optimizer_state(osd: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def describe(path: Path, reasons: list[str], tag: str | None = None) -> CheckpointInfo:
-    layout = locate(path, tag)
+def _open_model_states(layout: ZeroLayout) -> tuple[TorchArchive, dict[str, Any]]:
+    """Rank 0's model-states file and its contents (refused if not DeepSpeed's)."""
     model = open_archive(_model_states_file(layout))
     ms = model.root
     if not isinstance(ms, dict) or "param_shapes" not in ms:
@@ -192,6 +192,12 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
             hint="point Ravex at the DeepSpeed checkpoint root (the directory with 'latest')",
             path=model.path,
         )
+    return model, ms
+
+
+def describe(path: Path, reasons: list[str], tag: str | None = None) -> CheckpointInfo:
+    layout = locate(path, tag)
+    model, ms = _open_model_states(layout)
     optim0 = open_archive(layout.optim_files[0])
     osd = optim0.root.get("optimizer_state_dict") if isinstance(optim0.root, dict) else None
     if not isinstance(osd, dict):
@@ -291,14 +297,7 @@ def read(path: Path, tag: str | None = None) -> Checkpoint:
     """
     layout = locate(path, tag)
     ws = len(layout.optim_files)
-    model = open_archive(_model_states_file(layout))
-    ms = model.root
-    if not isinstance(ms, dict) or "param_shapes" not in ms:
-        raise UnknownFormatError(
-            f"{model.path}: a torch.save file without DeepSpeed's 'param_shapes'; not a DeepSpeed ZeRO model-states file",
-            hint="point Ravex at the DeepSpeed checkpoint root (the directory with 'latest')",
-            path=model.path,
-        )
+    model, ms = _open_model_states(layout)
     ranks = [_rank_file(r, layout.optim_files[r]) for r in range(ws)]
     bf16_optimizer, stage = _saved_variant(ranks)
     _check_partitions(layout, ranks, stage, ms, model.path)
