@@ -72,14 +72,17 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
 @main.command("convert")
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
-@click.option("--to", "to", required=True, type=click.Choice(["safetensors", "torch_save", "native"]), help="Output format.")
+@click.option("--to", "to", required=True, type=click.Choice(["safetensors", "torch_save", "native", "dcp"]), help="Output format.")
 @click.option("--weights-only", is_flag=True, help="Leave the optimizer state and other training state out.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default=None,
               help="Cast floating-point weights on the way out (optimizer state is never cast).")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove PREFIX from names (e.g. 'module.', '_orig_mod.'); repeatable.")
 @click.option("--max-shard-size", default=None, metavar="SIZE", help="safetensors: split into shards of at most SIZE (e.g. 5GB) with an index.")
 @click.option("--compression", type=click.Choice(["none", "zstd"]), default=None, help="native: compress chunks with zstd.")
-@click.option("--world-size", default=1, show_default=True, type=click.IntRange(1), help="native: number of ranks to shard into (dim 0, torch.chunk sizes).")
+@click.option("--world-size", default=1, show_default=True, type=click.IntRange(1),
+              help="dcp, native: number of ranks to shard into (dim 0, torch.chunk sizes, as FSDP2 does).")
+@click.option("--metadata-form", type=click.Choice(["current", "compat"]), default="current", show_default=True,
+              help="dcp: 'current' .metadata (torch >= 2.15 reads it) or 'compat' (also torch < 2.15).")
 @click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
 @click.option("--param-names", "param_names_file", default=None, metavar="FILE",
@@ -89,7 +92,7 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
-                compression: str | None, world_size: int, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
+                compression: str | None, world_size: int, metadata_form: str, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
                 as_json: bool, quiet: bool) -> None:
     """Convert the checkpoint at SRC to another format at DST (bit-exact; weights as the fp32 master copy where SRC has one)."""
     try:
@@ -97,9 +100,15 @@ def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | No
         with _progress(quiet) as progress:
             result = ravex_convert.convert(src, dst, to, tag=tag, index=index, weights_only=weights_only, dtype=dtype,
                                            strip_prefix=strip_prefix, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
-                                           compression=compression, world_size=world_size, param_names=names, progress=progress)
+                                           compression=compression, world_size=world_size, param_names=names,
+                                           metadata_form=metadata_form, progress=progress)
     except RavexError as exc:
         _fail(exc)
+    _report(result, dst, as_json)
+
+
+def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
+    to = result["to"]
     if as_json:
         click.echo(json.dumps(result, indent=2, default=str))
         return
@@ -112,6 +121,26 @@ def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | No
         return
     out.print(f"wrote {dst} ({to}): {result.get('tensors')} tensors, {_human_bytes(int(result.get('bytes', result.get('bytes_written', 0))))} "
               f"in {result.get('seconds', 0):.2f} s", markup=False)
+
+
+@main.command("reshard")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@click.option("--world-size", required=True, type=click.IntRange(1), help="The number of ranks to reshard to.")
+@click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
+@click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
+@click.option("--force", is_flag=True, help="Replace DST if it exists.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def reshard_cmd(src: str, dst: str, world_size: int, tag: str | None, index: int, force: bool, dry_run: bool, as_json: bool, quiet: bool) -> None:
+    """Change the number of ranks of SRC (DCP, Ravex store), model and optimizer state, keeping its format."""
+    try:
+        with _progress(quiet) as progress:
+            result = ravex_convert.reshard(src, dst, world_size, tag=tag, index=index, force=force, dry_run=dry_run, progress=progress)
+    except RavexError as exc:
+        _fail(exc)
+    _report(result, dst, as_json)
 
 
 @main.command("verify")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .convert import convert, load_state_dict
+from .convert import convert, load_state_dict, reshard
 from .detect import Detection, detect, inspect, read_checkpoint
 from .errors import (
     CorruptCheckpointError,
@@ -47,5 +47,6 @@ __all__ = [
     "inspect",
     "load_state_dict",
     "read_checkpoint",
+    "reshard",
     "verify",
 ]

@@ -15,14 +15,15 @@ from typing import Any
 from . import _core
 from ._engine import SourceTable, source_bytes
 from ._output import Options, out_dtype, select
-from .detect import read_checkpoint
+from .detect import detect, read_checkpoint
 from .errors import RavexError
 from .formats import native, safetensors, torch_save
 from .model import MODEL, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
 
-__all__ = ["TARGETS", "convert", "load_state_dict", "materialize", "parse_size"]
+__all__ = ["RESHARDABLE", "TARGETS", "convert", "load_state_dict", "materialize", "parse_size", "reshard"]
 
-TARGETS = ("safetensors", "torch_save", "native")
+TARGETS = ("safetensors", "torch_save", "native", "dcp")
+RESHARDABLE = ("dcp", "native")
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
@@ -58,6 +59,7 @@ def convert(
     compression: str | None = None,
     world_size: int = 1,
     param_names: list[str] | None = None,
+    metadata_form: str = "current",
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
@@ -93,12 +95,26 @@ def convert(
         result = safetensors.write(out, dst, opts, progress)
     elif to == "torch_save":
         result = torch_save.write(out, dst, opts, progress)
+    elif to == "dcp":
+        from .formats import dcp_write
+
+        result = dcp_write.write(out, dst, opts, progress, metadata_form=metadata_form)
     else:
         from .formats import native_write
 
         result = native_write.write(out, dst, opts, progress=progress)
     result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "seconds": time.perf_counter() - t0})
     return result
+
+
+def reshard(src: str | Path, dst: str | Path, world_size: int, **kwargs: Any) -> dict[str, Any]:
+    """Change the number of ranks of a sharded checkpoint, keeping its format
+    (model and optimizer state). Takes :func:`convert`'s keyword options."""
+    fmt = detect(src).format
+    if fmt not in RESHARDABLE:
+        raise RavexError(f"{src}: a {fmt} checkpoint has no ranks to reshard",
+                         hint="`ravex convert` changes its format; reshard works on " + ", ".join(RESHARDABLE))
+    return convert(src, dst, fmt, world_size=world_size, **kwargs)
 
 
 def plan(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:

@@ -28,13 +28,16 @@ tensor bytes are copied once, in parallel, and cast where ``--dtype`` asks);
 Metadata forms (``metadata_form``), and which torch reads each:
 
 - ``"current"`` (default): ``TensorProperties`` pickled with its ``strides`` field,
-  as torch 2.15 writes it. Read by torch 2.15 and later; torch 2.14 and earlier
-  fail to unpickle it ("too many values to unpack").
-- ``"compat"``: ``TensorProperties`` pickled with the five fields torch < 2.15
-  writes. Read by torch 2.4 (the first to flatten nested state this way) through
-  2.15 and later (which fills ``strides`` with None).
+  as torch 2.15 writes it. torch 2.15 reads it; torch 2.14 and earlier cannot
+  unpickle it ("too many values to unpack": their ``__setstate__`` takes five).
+- ``"compat"``: ``TensorProperties`` pickled with those five fields, as torch
+  before 2.15 writes it. torch 2.15 reads it (``strides`` becomes None), and so
+  does torch 2.4 to 2.14 (the five fields they unpickle; nested state flattened to
+  the keys they flatten it to since 2.4). Checked with 2.15 itself and with the
+  pre-2.15 ``__setstate__`` put back in its place (tests/test_dcp_write.py).
 
-Under a torch older than 2.15 both forms are the five-field one.
+The data files are the same bytes in both forms. Under a torch older than 2.15
+(no ``strides`` field) both forms come out as the five-field one.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class _Leaf:
 def _nest_extra(extra: dict[str, Any]) -> dict[str, Any]:
     """The DCP reader keeps a non-optimizer value under its nesting joined by "/"
     (``lr_scheduler/last_epoch``): nest it again so it goes back under the same
-    flat key. Other sources' extra keys (torch.save top-level keys) hold no "/"."""
+    flat key (a list index comes back as a dict key: the same flat key)."""
     out: dict[str, Any] = {}
     for key, value in extra.items():
         parts = str(key).split("/")
@@ -134,12 +137,12 @@ def _state(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:
         if key == "optim.param_groups":
             continue
         if key == "extra" and isinstance(value, dict):
-            for k, v in _nest_extra(value).items():
+            for k, v in (_nest_extra(value) if ckpt.format == "dcp" else value).items():
                 root.setdefault(k, values(v))
         else:
             root.setdefault(key, values(value))
-    if ckpt.step is not None:
-        root.setdefault("step", ckpt.step)
+    # No top-level "step" of our own: DCP has no such key (Ravex's reader takes the
+    # step from the optimizer's), and a source's own step counters are in its objects.
     return root
 
 
@@ -205,7 +208,7 @@ class _ItemLayout(ZipLayout):
     The central directory and end records follow ZipLayout.finish byte for byte."""
 
     base: int = 0
-    data: list[int] = field(default_factory=list)  # entries written by the executor
+    data_entries: list[int] = field(default_factory=list)  # entries whose bytes the executor writes
 
     def directory(self) -> bytes:
         cd = io.BytesIO()
@@ -233,7 +236,7 @@ class _ItemLayout(ZipLayout):
     def finish(self, fd: int, crcs: dict[int, int]) -> int:
         for i, crc in crcs.items():
             self.entries[i].crc = crc
-        for i in self.data:
+        for i in self.data_entries:
             e = self.entries[i]
             os.pwrite(fd, self._local(e), self.base + e.header_offset)
         os.pwrite(fd, self.directory(), self.base + self.size)
@@ -247,7 +250,7 @@ def _archive(pickle_bytes: bytes, data_nbytes: int | None) -> _ItemLayout:
     for name, data in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
         layout.add(name, len(data), data)
     if data_nbytes is not None:
-        layout.data.append(len(layout.entries))
+        layout.data_entries.append(len(layout.entries))
         layout.add("data/0", data_nbytes)
     layout.add("version", 2, b"3\n")
     layout.add(".data/serialization_id", len(_SERIALIZATION_ID), _SERIALIZATION_ID)
@@ -266,7 +269,7 @@ class _Item:
     @property
     def data_offset(self) -> int:
         """Absolute offset of the tensor's bytes in the rank file."""
-        return self.file_offset + self.layout.entries[self.layout.data[0]].data_offset
+        return self.file_offset + self.layout.entries[self.layout.data_entries[0]].data_offset
 
 
 def _dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
@@ -454,12 +457,12 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, m
                         job.add(ckpt.tensors[value.source], targets)
             job.run(progress=progress, sync=False)
             for r, fd in enumerate(fds):
-                with_data = [it for it in per_rank[r] if it.layout.data]
-                ranges = [(it.data_offset, it.layout.entries[it.layout.data[0]].size) for it in with_data]
+                with_data = [it for it in per_rank[r] if it.layout.data_entries]
+                ranges = [(it.data_offset, it.layout.entries[it.layout.data_entries[0]].size) for it in with_data]
                 crcs = _core.checksum_ranges(str(paths[r]), ranges, "crc32") if ranges else []
                 crc_of = {id(it): crc for it, crc in zip(with_data, crcs)}
                 for it in per_rank[r]:
-                    it.layout.finish(fd, {i: crc_of[id(it)] for i in it.layout.data})
+                    it.layout.finish(fd, {i: crc_of[id(it)] for i in it.layout.data_entries})
                 os.fsync(fd)
         finally:
             for fd in fds:
