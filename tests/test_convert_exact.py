@@ -139,6 +139,9 @@ def test_to_torch_save(name: str, tmp_path: Path) -> None:
     groups = state["optim"]["param_groups"]
     assert [sorted(g["params"]) for g in groups] == [sorted(p for p in g["params"] if p in opt) for g in meta["param_groups"]]
     for g, want in zip(groups, meta["param_groups"]):
+        if "e_ws" in name:  # elastic_checkpoint saves keep no group hyper-parameters (the reader says so)
+            assert set(g) == {"params"}
+            continue
         assert (g["lr"], g["weight_decay"], tuple(g["betas"]), g["eps"]) == (want["lr"], want["weight_decay"], tuple(want["betas"]), want["eps"])
 
 
