@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
 
 __all__ = ["DTYPE_SIZES", "DType", "Record", "StorageRef", "TensorRef", "restricted_loads"]
 
@@ -290,6 +290,14 @@ class _Unpickler(pickle.Unpickler):
             if qualname not in self._classes:
                 self._classes[qualname] = _record_class(qualname)
             return self._classes[qualname]
+        if module.startswith("torch.distributed.checkpoint"):
+            # not code we refuse to run but a DCP class we have not met: newer torch
+            raise UnknownFormatError(
+                f"{self._source}: DCP metadata with the class '{qualname}', which this Ravex does not know "
+                "(written by a newer torch than Ravex supports)",
+                hint="convert it with the torch that wrote it (dcp_to_torch_save), or upgrade Ravex",
+                path=self._source,
+            )
         raise UnsafeCheckpointError(
             f"{self._source}: the pickle names the global '{qualname}', which Ravex does not allow "
             "(loading it could run code from the file)",
@@ -344,7 +352,7 @@ def restricted_loads(data: bytes, source: str | Path, storages: Callable[[tuple[
     src = str(source)
     try:
         obj = _Unpickler(data, src, storages).load()
-    except (UnsafeCheckpointError, CorruptCheckpointError):
+    except (UnsafeCheckpointError, CorruptCheckpointError, UnknownFormatError):
         raise
     except Exception as exc:  # noqa: BLE001 -- pickle raises any type on garbage input
         raise CorruptCheckpointError(

@@ -198,3 +198,16 @@ def test_inspect_does_not_import_torch(training_pt: Path, tmp_path: Path) -> Non
     res = subprocess.run([sys.executable, "-P", "-c", code, str(training_pt), str(dcp_dir)], capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     assert "NO_TORCH_OK" in res.stdout
+
+
+def test_dcp_from_a_newer_torch(tmp_path: Path) -> None:
+    # a DCP class this Ravex has not met (as a future torch would write): named, refused, exit >= 2
+    d = _dcp(tmp_path)
+    meta = d / ".metadata"
+    data = meta.read_bytes().replace(b"ChunkStorageMetadata", b"ChunkStorageMetadat2")
+    meta.write_bytes(data)
+    res = run_ravex("inspect", d)
+    assert res.returncode == 4
+    assert "ChunkStorageMetadat2" in res.stderr and "newer torch" in res.stderr and "hint:" in res.stderr
+    res = run_ravex("convert", d, tmp_path / "out.pt", "--to", "torch_save")
+    assert res.returncode == 4 and not (tmp_path / "out.pt").exists()
