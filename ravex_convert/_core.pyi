@@ -8,7 +8,7 @@ failing file operations raise ``OSError`` (the subclass for the errno, with
 """
 
 from collections.abc import Sequence
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 __all__ = [
     "__version__",
@@ -63,8 +63,13 @@ def execute(
     threads: int = 0,
     window_bytes: int = 67108864,
     sync: bool = True,
-) -> dict[str, int]:
+    crc_ranges: Sequence[tuple[int, int, int]] | None = None,
+) -> dict[str, Any]:
     """Copy every target chunk's elements from the source chunks.
+
+    With ``crc_ranges`` (``(target index, offset, length)``), the result also
+    has ``crcs``: each range's CRC-32 combined from the pieces written (None
+    where this call's writes do not tile the range).
 
     ``sources`` are files (mapped read-only) or ``bytes``; a source chunk's
     file index points into them, a target chunk's into ``targets``. Targets

@@ -80,6 +80,7 @@ class CopyJob:
     table: SourceTable = field(default_factory=SourceTable)
     targets: list[str] = field(default_factory=list)
     tensors: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = field(default_factory=list)
+    crcs: list[int] = field(default_factory=list)  # of crc_ranges, after run()
 
     @property
     def sources(self) -> list[str | bytes]:
@@ -94,9 +95,14 @@ class CopyJob:
         dst = [(t.file, t.offset, core_region(t.region), t.dtype) for t in targets]
         self.tensors.append((list(tensor.shape), src, dst))
 
-    def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20) -> dict[str, int]:
-        """Execute in batches of about ``batch_bytes`` so a progress bar can move."""
+    def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20,
+            crc_ranges: list[tuple[int, int, int]] | None = None) -> dict[str, int]:
+        """Execute in batches of about ``batch_bytes`` so a progress bar can move.
+        With ``crc_ranges`` (target, offset, length), ``self.crcs`` gets each
+        range's CRC-32, gathered while copying (a zip entry's CRC without
+        reading the output again)."""
         totals: dict[str, int] = {}
+        found: list[int | None] = [None] * len(crc_ranges or [])
         batch: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = []
         size = 0
 
@@ -105,12 +111,15 @@ class CopyJob:
             if not batch:
                 return
             try:
-                stats = _core.execute(self.sources, self.targets, batch, sync=False)
+                stats = _core.execute(self.sources, self.targets, batch, sync=False, crc_ranges=crc_ranges)
             except OSError as exc:
                 raise RavexError(f"writing failed: {exc}", hint="check free space and permissions at the destination") from None
             except ValueError as exc:
                 raise CorruptCheckpointError(f"the source does not hold what its metadata says: {exc}",
                                              hint="a file is truncated or damaged; copy the checkpoint again") from None
+            for i, crc in enumerate(stats.pop("crcs", [])):
+                if crc is not None and found[i] is None:
+                    found[i] = crc
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0) + int(v)
             if progress is not None:
@@ -123,10 +132,25 @@ class CopyJob:
             if size >= batch_bytes:
                 flush()
         flush()
+        if crc_ranges:
+            self.crcs = self._complete_crcs(crc_ranges, found)
         if sync:
             for path in self.targets:
                 fsync_dir(path)
         return totals
+
+
+    def _complete_crcs(self, ranges: list[tuple[int, int, int]], found: list[int | None]) -> list[int]:
+        """Ranges no single tensor's writes tiled are read back and hashed."""
+        missing: dict[int, list[int]] = {}
+        for i, crc in enumerate(found):
+            if crc is None:
+                missing.setdefault(ranges[i][0], []).append(i)
+        for target, idx in missing.items():
+            values = _core.checksum_ranges(self.targets[target], [(ranges[i][1], ranges[i][2]) for i in idx], "crc32")
+            for i, v in zip(idx, values):
+                found[i] = v
+        return [int(c) for c in found if c is not None]
 
 
 def _prod(xs: Any) -> int:

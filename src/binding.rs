@@ -291,9 +291,13 @@ const _: () = assert!(DEFAULT_WINDOW_BYTES == 67108864);
 /// offset, region, dtype)`. Runs on `threads` threads (0: one per CPU),
 /// holding at most about `window_bytes` of copy buffers; fsyncs every target
 /// at the end when `sync`. Returns `bytes_read`, `bytes_written`, `runs` and
-/// `pieces`. Everything is validated before the first byte moves.
+/// `pieces`. Everything is validated before the first byte moves. With
+/// `crc_ranges` (`(target index, offset, length)` tuples) it also returns
+/// `crcs`: the CRC-32 of each range, gathered while copying (None where the
+/// job's writes do not tile the range), so zip writers need no second pass.
 #[pyfunction]
-#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true))]
+#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true, crc_ranges=None))]
+#[allow(clippy::too_many_arguments)]
 fn execute<'py>(
     py: Python<'py>,
     sources: &Bound<'py, PyAny>,
@@ -302,6 +306,7 @@ fn execute<'py>(
     threads: i64,
     window_bytes: i64,
     sync: bool,
+    crc_ranges: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = Options {
         threads: checked(threads, "threads")? as usize,
@@ -314,10 +319,39 @@ fn execute<'py>(
         targets: targets_arg(targets)?,
         tensors: tensors_arg(tensors)?,
     };
-    let stats = py
-        .detach(|| exec::execute(&job, &options))
+    let Some(crc_ranges) = crc_ranges else {
+        let stats = py
+            .detach(|| exec::execute(&job, &options))
+            .map_err(py_err)?;
+        return stats_dict(py, &stats);
+    };
+    let ranges = list(crc_ranges, "crc_ranges", "(target, offset, length) tuples")?
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let (t, o, l): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                x.extract().map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "crc_ranges[{i}] must be a (target, offset, length) tuple, got {}",
+                        show(x)
+                    ))
+                })?;
+            Ok((
+                index_arg(&t, &format!("crc_ranges[{i}] target"))?,
+                non_negative_int(&o, &format!("crc_ranges[{i}] offset"))?,
+                non_negative_int(&l, &format!("crc_ranges[{i}] length"))?,
+            ))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let (stats, crcs) = py
+        .detach(|| {
+            exec::execute_with_crcs(&job, &options)
+                .map(|(stats, pieces)| (stats, exec::combine_crcs(pieces, &ranges)))
+        })
         .map_err(py_err)?;
-    stats_dict(py, &stats)
+    let dict = stats_dict(py, &stats)?;
+    dict.set_item("crcs", crcs)?;
+    Ok(dict)
 }
 
 /// What `execute` would do with the same arguments, without moving a byte:

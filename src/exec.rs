@@ -20,6 +20,7 @@ use std::cell::RefCell;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 
@@ -377,6 +378,64 @@ pub fn plan_summary(job: &Job<'_>, options: &Options) -> Result<Summary, Error> 
 /// chunks are left as they are. Nothing is written unless the whole job is
 /// valid.
 pub fn execute(job: &Job<'_>, options: &Options) -> Result<Stats, Error> {
+    run(job, options, None)
+}
+
+/// The CRC-32 of bytes one piece wrote: `len` bytes at `offset` of `target`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WrittenCrc {
+    pub target: usize,
+    pub offset: u64,
+    pub len: u64,
+    pub crc: u32,
+}
+
+/// [`execute`], also returning the CRC-32 of every piece written, so a zip
+/// writer gets its entries' CRCs without reading the output again (see
+/// [`combine_crcs`]).
+pub fn execute_with_crcs(
+    job: &Job<'_>,
+    options: &Options,
+) -> Result<(Stats, Vec<WrittenCrc>), Error> {
+    let crcs = Mutex::new(Vec::new());
+    let stats = run(job, options, Some(&crcs))?;
+    Ok((stats, crcs.into_inner().unwrap_or_else(|e| e.into_inner())))
+}
+
+/// The CRC-32 of each `(target, offset, len)` range, combined from the pieces
+/// that tile it exactly; `None` where the pieces written do not tile the range.
+pub fn combine_crcs(mut pieces: Vec<WrittenCrc>, ranges: &[(usize, u64, u64)]) -> Vec<Option<u32>> {
+    pieces.sort_by_key(|p| (p.target, p.offset));
+    ranges
+        .iter()
+        .map(|&(target, offset, len)| {
+            if len == 0 {
+                return Some(0);
+            }
+            let mut i = pieces.partition_point(|p| (p.target, p.offset) < (target, offset));
+            let mut at = offset;
+            let mut hasher = crc32fast::Hasher::new();
+            while at < offset + len {
+                let p = pieces
+                    .get(i)
+                    .filter(|p| p.target == target && p.offset == at)?;
+                if p.offset + p.len > offset + len {
+                    return None;
+                }
+                hasher.combine(&crc32fast::Hasher::new_with_initial_len(p.crc, p.len));
+                at += p.len;
+                i += 1;
+            }
+            Some(hasher.finalize())
+        })
+        .collect()
+}
+
+fn run(
+    job: &Job<'_>,
+    options: &Options,
+    crcs: Option<&Mutex<Vec<WrittenCrc>>>,
+) -> Result<Stats, Error> {
     let sources = open_sources(&job.sources)?;
     let targets = open_targets(&job.targets)?;
     let source_sizes: Vec<u64> = sources.iter().map(|s| s.bytes().len() as u64).collect();
@@ -392,7 +451,7 @@ pub fn execute(job: &Job<'_>, options: &Options) -> Result<Stats, Error> {
         (0..job.tensors.len()).into_par_iter().try_for_each(|t| {
             let plans = plan_tensor(job, t, sizes)?;
             pieces(&job.tensors[t], &plans, cut)
-                .try_for_each(|p| run_piece(&p, &sources, &targets, &job.targets))
+                .try_for_each(|p| run_piece(&p, &sources, &targets, &job.targets, crcs))
         })?;
         if options.sync {
             targets
@@ -420,6 +479,7 @@ fn run_piece(
     sources: &[SourceData<'_>],
     targets: &[(File, u64)],
     paths: &[PathBuf],
+    crcs: Option<&Mutex<Vec<WrittenCrc>>>,
 ) -> Result<(), Error> {
     // Validated against the sizes before the first piece ran.
     let start = p.src_off as usize;
@@ -428,7 +488,17 @@ fn run_piece(
         targets[p.dst]
             .0
             .write_all_at(data, p.dst_off)
-            .map_err(|e| Error::io("cannot write to target file", &paths[p.dst], e))
+            .map_err(|e| Error::io("cannot write to target file", &paths[p.dst], e))?;
+        if let Some(crcs) = crcs {
+            let crc = WrittenCrc {
+                target: p.dst,
+                offset: p.dst_off,
+                len: data.len() as u64,
+                crc: crc32fast::hash(data),
+            };
+            crcs.lock().unwrap_or_else(|e| e.into_inner()).push(crc);
+        }
+        Ok(())
     };
     if p.from == p.to {
         return write(src);

@@ -471,3 +471,58 @@ proptest! {
         prop_assert_eq!(got.max_abs_diff > 0.0, !changed.is_empty());
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// The CRC-32s gathered while copying, combined per target chunk, equal
+    /// the CRC-32 of the bytes that ended up there; a range the job did not
+    /// tile exactly gets none.
+    #[test]
+    fn crcs_from_pieces_equal_crcs_of_the_written_bytes((c, threads, window) in case()) {
+        use crate::exec::{combine_crcs, execute_with_crcs};
+        let dir = TempDir::new().unwrap();
+        let a_files = write_files(dir.path(), "a", &c.a_sizes, 0x3C, &c.shape, &c.a);
+        let b_files = blank(dir.path(), "b", &c.b_sizes);
+        let job = one_tensor(paths(&a_files), b_files.clone(), &c.shape, &c.a, &c.b);
+        let (_, pieces) = execute_with_crcs(&job, &options(threads, window)).unwrap();
+        let dst: Vec<(usize, u64, u64)> = ranges(&c.shape, &c.b).into_iter().map(|(f, a, b)| (f, a, b - a)).collect();
+        let crcs = combine_crcs(pieces.clone(), &dst);
+        let files = read_all(&b_files);
+        for ((f, off, len), crc) in dst.iter().zip(&crcs) {
+            let want = crc32fast::hash(&files[*f][*off as usize..(*off + *len) as usize]);
+            prop_assert_eq!(*crc, Some(want));
+        }
+    }
+}
+
+#[test]
+fn crcs_of_ranges_not_tiled_are_none() {
+    use crate::exec::{combine_crcs, WrittenCrc};
+    let piece = |offset: u64, data: &[u8]| WrittenCrc {
+        target: 0,
+        offset,
+        len: data.len() as u64,
+        crc: crc32fast::hash(data),
+    };
+    let pieces = vec![piece(8, b"efgh"), piece(0, b"abcd")];
+    assert_eq!(combine_crcs(pieces.clone(), &[(0, 0, 8)]), vec![None]); // a gap at 4..8
+    assert_eq!(
+        combine_crcs(
+            pieces.clone(),
+            &[(0, 0, 4), (0, 8, 4), (0, 8, 2), (1, 0, 4), (0, 3, 0)]
+        ),
+        vec![
+            Some(crc32fast::hash(b"abcd")),
+            Some(crc32fast::hash(b"efgh")),
+            None,
+            None,
+            Some(0)
+        ]
+    );
+    let pieces = vec![piece(0, b"abcd"), piece(4, b"efgh")];
+    assert_eq!(
+        combine_crcs(pieces, &[(0, 0, 8)]),
+        vec![Some(crc32fast::hash(b"abcdefgh"))]
+    );
+}

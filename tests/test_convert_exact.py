@@ -119,6 +119,9 @@ def test_to_torch_save(name: str, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     state = torch.load(dst, weights_only=True, map_location="cpu")
     _check_weights(name, state["model"], all_names=not name.startswith("safetensors"))
+    import zipfile
+
+    assert zipfile.ZipFile(dst).testzip() is None  # every entry's CRC-32 (gathered while copying) is right
     true, meta = _true(name)
     if "head.weight" in state["model"] and "embed.weight" in state["model"] and not name.startswith("fsdp2"):
         # tied: every name present, sharing one storage, as torch itself saves it

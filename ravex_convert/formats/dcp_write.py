@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import _core
 from .._engine import CopyJob, Target
 from .._output import Options, fsync_dir, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
@@ -455,12 +454,11 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, m
                     targets = [Target(it.rank, it.data_offset, it.box, value.dtype) for it in plan.by_key[key] if it.box and it.box.numel]
                     if targets:
                         job.add(ckpt.tensors[value.source], targets)
-            job.run(progress=progress, sync=False)
+            with_data = [(r, it) for r in range(len(fds)) for it in per_rank[r] if it.layout.data_entries]
+            job.run(progress=progress, sync=False,
+                    crc_ranges=[(r, it.data_offset, it.layout.entries[it.layout.data_entries[0]].size) for r, it in with_data])
+            crc_of = {id(it): crc for (_, it), crc in zip(with_data, job.crcs)}
             for r, fd in enumerate(fds):
-                with_data = [it for it in per_rank[r] if it.layout.data_entries]
-                ranges = [(it.data_offset, it.layout.entries[it.layout.data_entries[0]].size) for it in with_data]
-                crcs = _core.checksum_ranges(str(paths[r]), ranges, "crc32") if ranges else []
-                crc_of = {id(it): crc for it, crc in zip(with_data, crcs)}
                 for it in per_rank[r]:
                     it.layout.finish(fd, {i: crc_of[id(it)] for i in it.layout.data_entries})
                 os.fsync(fd)

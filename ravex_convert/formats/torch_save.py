@@ -15,7 +15,6 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from .. import _core
 from .._engine import CopyJob, Target
 from .._output import Options, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
@@ -376,9 +375,9 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
             ti = job.target(tmp)
             for name, t in ckpt.tensors.items():
                 job.add(t, [Target(ti, entries[name].data_offset, t.whole(), storages[name].dtype)])
-            job.run(progress=progress, sync=False)
             data_entries = [i for i, e in enumerate(layout.entries) if e.data is None]
-            crcs = _core.checksum_ranges(str(tmp), [(layout.entries[i].data_offset, layout.entries[i].size) for i in data_entries], "crc32")
+            job.run(progress=progress, sync=False, crc_ranges=[(ti, layout.entries[i].data_offset, layout.entries[i].size) for i in data_entries])
+            crcs = job.crcs
             size = layout.finish(fd, dict(zip(data_entries, crcs)))
             os.fsync(fd)
         finally:
