@@ -2,7 +2,7 @@
 
 This is the small public face. The work lives in ``ravex_convert`` (formats,
 detection, conversion) and ``ravex_runtime`` (live checkpointing of a training
-run, coming with the runtime issue). Importing ``ravex`` does not import torch.
+run: ``@ravex.train_loop`` and its helpers). Importing ``ravex`` does not import torch.
 """
 
 from __future__ import annotations
@@ -14,5 +14,21 @@ from ravex_convert import (
     detect,
     inspect,
 )
+from ravex_runtime import (
+    batch_boundary,
+    checkpoint,
+    deactivate,
+    flush,
+    is_active,
+    load_weights,
+    restore,
+    status,
+    step,
+    track,
+    train_loop,
+)
 
-__all__ = ["CheckpointInfo", "RavexError", "__version__", "detect", "inspect"]
+__all__ = [
+    "CheckpointInfo", "RavexError", "__version__", "batch_boundary", "checkpoint", "deactivate", "detect", "flush", "inspect",
+    "is_active", "load_weights", "restore", "status", "step", "track", "train_loop",
+]

@@ -44,6 +44,35 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _zero_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of a DeepSpeed ZeRO output (convert --to zero, reshard of a ZeRO run)."""
+    f = click.option("--hyperparameters", default=None, metavar="FILE.json",
+                     help="zero: param-group hyper-parameters (a JSON list, one dict per group) where the source lacks them (elastic saves).")(f)
+    f = click.option("--buffers", default=None, metavar="NAMES",
+                     help="zero, stage 3: the model's persistent buffer names, comma-separated, where the source does not mark them (DCP, torch_save).")(f)
+    f = click.option("--precision", type=click.Choice(["fp32", "bf16"]), default=None,
+                     help="zero: the precision the resumed DeepSpeed run uses (default: the source's).")(f)
+    return click.option("--zero-stage", type=click.IntRange(1, 3), default=None,
+                        help="zero: the ZeRO stage of the output (required for --to zero; reshard keeps the source's).")(f)
+
+
+def _zero_kwargs(zero_stage: int | None, precision: str | None, buffers: str | None, hyperparameters: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if zero_stage is not None:
+        out["zero_stage"] = zero_stage
+    if precision is not None:
+        out["precision"] = precision
+    if buffers:
+        out["buffers"] = [b.strip() for b in buffers.split(",") if b.strip()]
+    if hyperparameters:
+        try:
+            out["hyperparameters"] = json.loads(Path(hyperparameters).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise RavexError(f"{hyperparameters}: not a readable JSON list of param-group dicts ({exc})",
+                             hint="write e.g. [{\"lr\": 0.01, \"weight_decay\": 0.1}, {\"lr\": 0.005, \"weight_decay\": 0.0}]") from None
+    return out
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(ravex_convert.__version__, "--version", "-V", prog_name="ravex")
 def main() -> None:
@@ -72,7 +101,7 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
 @main.command("convert")
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
-@click.option("--to", "to", required=True, type=click.Choice(["safetensors", "torch_save", "native", "dcp"]), help="Output format.")
+@click.option("--to", "to", required=True, type=click.Choice(["safetensors", "torch_save", "native", "dcp", "zero"]), help="Output format.")
 @click.option("--weights-only", is_flag=True, help="Leave the optimizer state and other training state out.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default=None,
               help="Cast floating-point weights on the way out (optimizer state is never cast).")
@@ -83,6 +112,7 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
               help="dcp, native: number of ranks to shard into (dim 0, torch.chunk sizes, as FSDP2 does).")
 @click.option("--metadata-form", type=click.Choice(["current", "compat"]), default="current", show_default=True,
               help="dcp: 'current' .metadata (torch >= 2.15 reads it) or 'compat' (also torch < 2.15).")
+@_zero_options
 @click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
 @click.option("--param-names", "param_names_file", default=None, metavar="FILE",
@@ -92,7 +122,8 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
-                compression: str | None, world_size: int, metadata_form: str, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
+                compression: str | None, world_size: int, metadata_form: str, zero_stage: int | None, precision: str | None,
+                buffers: str | None, hyperparameters: str | None, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
                 as_json: bool, quiet: bool) -> None:
     """Convert the checkpoint at SRC to another format at DST (bit-exact; weights as the fp32 master copy where SRC has one)."""
     try:
@@ -101,7 +132,7 @@ def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | No
             result = ravex_convert.convert(src, dst, to, tag=tag, index=index, weights_only=weights_only, dtype=dtype,
                                            strip_prefix=strip_prefix, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                                            compression=compression, world_size=world_size, param_names=names,
-                                           metadata_form=metadata_form, progress=progress)
+                                           metadata_form=metadata_form, progress=progress, **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
     except RavexError as exc:
         _fail(exc)
     _report(result, dst, as_json)
@@ -127,17 +158,20 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @click.option("--world-size", required=True, type=click.IntRange(1), help="The number of ranks to reshard to.")
+@_zero_options
 @click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def reshard_cmd(src: str, dst: str, world_size: int, tag: str | None, index: int, force: bool, dry_run: bool, as_json: bool, quiet: bool) -> None:
-    """Change the number of ranks of SRC (DCP, Ravex store), model and optimizer state, keeping its format."""
+def reshard_cmd(src: str, dst: str, world_size: int, zero_stage: int | None, precision: str | None, buffers: str | None,
+                hyperparameters: str | None, tag: str | None, index: int, force: bool, dry_run: bool, as_json: bool, quiet: bool) -> None:
+    """Change the number of ranks of SRC (DeepSpeed ZeRO, DCP, Ravex store), model and optimizer state, keeping its format."""
     try:
         with _progress(quiet) as progress:
-            result = ravex_convert.reshard(src, dst, world_size, tag=tag, index=index, force=force, dry_run=dry_run, progress=progress)
+            result = ravex_convert.reshard(src, dst, world_size, tag=tag, index=index, force=force, dry_run=dry_run, progress=progress,
+                                           **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
     except RavexError as exc:
         _fail(exc)
     _report(result, dst, as_json)
@@ -251,6 +285,35 @@ def _render(info: CheckpointInfo, tensors: bool) -> None:
         err.print(f"note: {note}", markup=False)
     err.print("detected because: " + "; ".join(info.reasons), markup=False)
 
+
+@main.command("status")
+@click.argument("path", required=False, type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (keys: store, checkpoints, resume).")
+def status_cmd(path: str | None, as_json: bool) -> None:
+    """List the checkpoints of a Ravex store and say which one a resume would pick.
+
+    PATH defaults to storage.path of the ravex.yaml found from the working directory."""
+    import time
+
+    from ravex_runtime.status import store_status
+
+    try:
+        st = store_status(path)
+    except RavexError as exc:
+        _fail(exc)
+    if as_json:
+        out.print(json.dumps(st, indent=2), markup=False)
+        return
+    table = Table(title=f"store {st['store']}", title_justify="left", show_edge=False)
+    for col in ("index", "step", "size", "on disk", "time", "complete", "run"):
+        table.add_column(col, justify="right" if col in ("index", "step", "size", "on disk") else "left")
+    for c in st["checkpoints"]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["created_unix"])) if isinstance(c["created_unix"], (int, float)) else "-"
+        table.add_row(str(c["index"]), str(c["step"]), _human_bytes(int(c["bytes"] or 0)), _human_bytes(c["bytes_on_disk"]), when,
+                      "yes" if c["complete"] else f"no ({c['problem']})", str(c["run_id"]))
+    out.print(table)
+    resume = st["resume"]
+    out.print("resume would pick: " + (f"checkpoint {resume}" if resume is not None else "nothing (a run starts from the beginning)"), markup=False)
 
 if __name__ == "__main__":
     main()

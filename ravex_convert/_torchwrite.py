@@ -22,7 +22,7 @@ from typing import Any
 from ._unpickle import DType
 from .errors import RavexError
 
-__all__ = ["STORAGE_TYPES", "StorageOut", "TensorOut", "ZipLayout", "dumps"]
+__all__ = ["STORAGE_TYPES", "PickleObject", "StorageOut", "TensorOut", "ZipLayout", "dumps"]
 
 STORAGE_TYPES = {
     "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
@@ -44,6 +44,22 @@ class TensorOut:
 
     storage: StorageOut
     shape: tuple[int, ...]
+    requires_grad: bool = False  # as torch.save records it (DeepSpeed's fp32 partitions carry True)
+
+
+@dataclass(frozen=True)
+class PickleObject:
+    """An instance of a class the writer names but never imports (DeepSpeed's
+    ``LossScaler``, ``ZeroStageEnum``, ``fragment_address``; ``torch.Size``),
+    pickled as pickle itself would: ``GLOBAL module name``, the ``args`` tuple,
+    ``REDUCE`` (call the class) or, with ``newobj``, ``NEWOBJ``
+    (``cls.__new__(cls, *args)``), then ``state`` and ``BUILD`` when given."""
+
+    module: str
+    name: str
+    args: tuple[Any, ...] = ()
+    state: dict[str, Any] | None = None
+    newobj: bool = False
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -121,6 +137,13 @@ class _Pickler:
             self.global_("torch", v.name)
         elif isinstance(v, TensorOut):
             self.tensor(v)
+        elif isinstance(v, PickleObject):
+            self.global_(v.module, v.name)
+            self.save(tuple(v.args), f"{path}<args>")
+            w(b"\x81" if v.newobj else b"R")
+            if v.state is not None:
+                self.save(v.state, f"{path}<state>")
+                w(b"b")
         else:
             raise RavexError(f"cannot write the value at {path} ({type(v).__name__}) into a torch.save file",
                              hint="only plain Python data and tensors are written")
@@ -140,7 +163,7 @@ class _Pickler:
         self.save(0, "")  # storage offset
         self.save(tuple(t.shape), "")
         self.save(_strides(t.shape), "")
-        w(b"\x89")  # requires_grad
+        w(b"\x88" if t.requires_grad else b"\x89")  # requires_grad
         self.global_("collections", "OrderedDict")
         w(b")R")  # backward hooks
         w(b"tR")

@@ -15,15 +15,15 @@ from typing import Any
 from . import _core
 from ._engine import SourceTable, source_bytes
 from ._output import Options, out_dtype, select
-from .detect import detect, read_checkpoint
+from .detect import detect, inspect, read_checkpoint
 from .errors import RavexError
 from .formats import native, safetensors, torch_save
 from .model import MODEL, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
 
 __all__ = ["RESHARDABLE", "TARGETS", "convert", "load_state_dict", "materialize", "parse_size", "reshard"]
 
-TARGETS = ("safetensors", "torch_save", "native", "dcp")
-RESHARDABLE = ("dcp", "native")
+TARGETS = ("safetensors", "torch_save", "native", "dcp", "zero")
+RESHARDABLE = ("zero", "dcp", "native")
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
@@ -60,6 +60,10 @@ def convert(
     world_size: int = 1,
     param_names: list[str] | None = None,
     metadata_form: str = "current",
+    zero_stage: int | None = None,
+    precision: str | None = None,
+    buffers: Sequence[str] | None = None,
+    hyperparameters: Sequence[dict[str, Any]] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
@@ -69,6 +73,8 @@ def convert(
     """
     if to not in TARGETS:
         raise RavexError(f"--to {to}: not a format Ravex writes yet", hint=f"use one of {', '.join(TARGETS)}")
+    if to == "zero" and zero_stage not in (1, 2, 3):
+        raise RavexError(f"--to zero needs --zero-stage 1, 2 or 3 (got {zero_stage})", hint="choose the stage the resumed run will use")
     if isinstance(max_shard_size, str):
         max_shard_size = parse_size(max_shard_size)
     if compression not in (None, "none", "zstd"):
@@ -95,6 +101,12 @@ def convert(
         result = safetensors.write(out, dst, opts, progress)
     elif to == "torch_save":
         result = torch_save.write(out, dst, opts, progress)
+    elif to == "zero":
+        from .formats import zero_write
+
+        assert zero_stage is not None  # checked above
+        result = zero_write.write(out, dst, opts, progress, zero_stage=zero_stage, precision=precision,
+                                  buffers=buffers, hyperparameters=hyperparameters)
     elif to == "dcp":
         from .formats import dcp_write
 
@@ -103,7 +115,8 @@ def convert(
         from .formats import native_write
 
         result = native_write.write(out, dst, opts, progress=progress)
-    result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "seconds": time.perf_counter() - t0})
+    result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
+                   "seconds": time.perf_counter() - t0})
     return result
 
 
@@ -114,6 +127,9 @@ def reshard(src: str | Path, dst: str | Path, world_size: int, **kwargs: Any) ->
     if fmt not in RESHARDABLE:
         raise RavexError(f"{src}: a {fmt} checkpoint has no ranks to reshard",
                          hint="`ravex convert` changes its format; reshard works on " + ", ".join(RESHARDABLE))
+    if fmt == "zero" and kwargs.get("zero_stage") is None:
+        # keep the stage the run used (BF16_Optimizer runs ZeRO-1)
+        kwargs["zero_stage"] = inspect(src, tag=kwargs.get("tag")).zero_stage
     return convert(src, dst, fmt, world_size=world_size, **kwargs)
 
 

@@ -1,8 +1,12 @@
 """Live checkpointing and exact resume of a training run (``@ravex.train_loop``).
 
-Empty for now: the runtime issue builds it on top of ``ravex_convert``'s
-native store. Imports go one way: ravex_runtime may use ravex_convert, never
-the reverse.
+Imports go one way: ravex_runtime uses ravex_convert, never the reverse.
+Importing this package does not import torch; the runtime's modules do, when
+the decorated function is called.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from .api import batch_boundary, checkpoint, deactivate, flush, is_active, load_weights, restore, status, step, track, train_loop
+
+__all__ = ["batch_boundary", "checkpoint", "deactivate", "flush", "is_active", "load_weights", "restore", "status", "step", "track", "train_loop"]

@@ -239,10 +239,11 @@ def test_to_native_and_back(name: str, tmp_path: Path) -> None:
 
 
 def test_dcp_reshard_and_round_trip(tmp_path: Path) -> None:
-    # ZeRO ws2 -> DCP ws3 -> DCP ws1 (reshard) -> native ws1 -> safetensors:
+    # ZeRO ws2 -> DCP ws3 -> DCP ws1 (reshard) -> native ws1 -> ZeRO ws3 -> safetensors:
     # every hop bit-identical to the start (weights and optimizer state)
     src = _src("zero2_ws2_bf16")
     dcp3, dcp1, store, st = tmp_path / "dcp3", tmp_path / "dcp1", tmp_path / "store", tmp_path / "w.safetensors"
+    zero3 = tmp_path / "zero3"
     assert run_ravex("convert", src, dcp3, "--to", "dcp", "--world-size", "3", "-q").returncode == 0
     info = json.loads(run_ravex("inspect", dcp3, "--json").stdout)
     assert (info["format"], info["world_size"]) == ("dcp", 3)
@@ -250,8 +251,17 @@ def test_dcp_reshard_and_round_trip(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert json.loads(run_ravex("inspect", dcp1, "--json").stdout)["world_size"] == 1
     assert run_ravex("convert", dcp1, store, "--to", "native", "-q").returncode == 0
-    assert run_ravex("convert", store, st, "--to", "safetensors", "-q").returncode == 0
-    for hop in (dcp3, dcp1, store):
+    # ZeRO-3 partitions frozen parameters but not buffers; DCP does not record
+    # which is which, so the user names the buffers (and Ravex refuses without)
+    res = run_ravex("convert", store, zero3, "--to", "zero", "--world-size", "3", "--zero-stage", "3")
+    assert res.returncode == 8 and "--buffers" in res.stderr
+    buffers = ",".join(_true("zero2_ws2_bf16")[1]["persistent_buffers"])
+    res = run_ravex("convert", store, zero3, "--to", "zero", "--world-size", "3", "--zero-stage", "3", "--buffers", buffers, "-q")
+    assert res.returncode == 0, res.stderr
+    info = json.loads(run_ravex("inspect", zero3, "--json").stdout)
+    assert (info["format"], info["variant"], info["world_size"], info["zero_stage"]) == ("zero", "zero3", 3, 3)
+    assert run_ravex("convert", zero3, st, "--to", "safetensors", "-q").returncode == 0
+    for hop in (dcp3, dcp1, store, zero3):
         res = run_ravex("verify", src, hop)
         assert res.returncode == 0, (hop, res.stdout, res.stderr)
     assert run_ravex("verify", src, st, "--weights-only").returncode == 0
@@ -261,3 +271,26 @@ def test_reshard_needs_ranks(tmp_path: Path) -> None:
     res = run_ravex("reshard", _src("safetensors_single"), tmp_path / "x", "--world-size", "2")
     assert res.returncode == 2
     assert "has no ranks to reshard" in res.stderr and "ravex convert" in res.stderr
+
+
+@pytest.mark.parametrize(("name", "stage", "ws"), [("zero2_ws2_fp32", None, "3"), ("zero3_ws2_bf16", "1", "3"), ("bf16opt_ws2", None, "3")])
+def test_zero_reshard(name: str, stage: str | None, ws: str, tmp_path: Path) -> None:
+    dst = tmp_path / "out"
+    args = ["--zero-stage", stage] if stage else []
+    res = run_ravex("reshard", _src(name), dst, "--world-size", ws, "-q", *args)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(run_ravex("inspect", dst, "--json").stdout)
+    src_info = json.loads(run_ravex("inspect", _src(name), "--json").stdout)
+    assert info["world_size"] == int(ws)
+    assert info["zero_stage"] == (int(stage) if stage else src_info["zero_stage"])
+    res = run_ravex("verify", _src(name), dst)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_zero_output_refusals(tmp_path: Path) -> None:
+    res = run_ravex("convert", _src("zero2_ws2_fp32"), tmp_path / "a", "--to", "zero", "--world-size", "2")
+    assert res.returncode == 2 and "--zero-stage" in res.stderr
+    # weights without optimizer state cannot be a DeepSpeed training checkpoint
+    res = run_ravex("convert", _src("safetensors_single"), tmp_path / "b", "--to", "zero", "--world-size", "2", "--zero-stage", "2")
+    assert res.returncode == 8 and "hint:" in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

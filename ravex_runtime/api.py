@@ -1,0 +1,203 @@
+"""The public runtime API that ``ravex`` re-exports: the decorator and its helpers."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ravex_convert.errors import RavexError
+
+from .config import enabled, load_config
+
+__all__ = [
+    "batch_boundary", "checkpoint", "deactivate", "flush", "is_active", "load_weights", "restore", "status", "step", "track", "train_loop",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("ravex")
+_current: Any = None  # the Runtime of the decorated call in progress, if any
+
+
+def _rt() -> Any:
+    return _current if _current is not None and _current.active else None
+
+
+def _logging(log_file: Path | None) -> logging.Handler:
+    handler: logging.Handler = logging.FileHandler(log_file) if log_file is not None else logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING)
+    log.propagate = False
+    return handler
+
+
+def train_loop(fn: F | None = None, *, preemption_handler: bool = False) -> Any:
+    """Decorate the function that trains: its run is checkpointed and, when started
+    again, resumed from the newest checkpoint. ``preemption_handler=True`` turns
+    SIGTERM into a checkpoint at the next iteration boundary and a clean exit."""
+
+    def decorate(f: F) -> F:
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not enabled():
+                return f(*args, **kwargs)
+            return _run(f, preemption_handler, args, kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def _run(f: Callable[..., Any], preemption_handler: bool, args: Any, kwargs: Any) -> Any:
+    global _current
+    from . import patches
+    from .runtime import Runtime, StopRun
+
+    if _current is not None:
+        raise RavexError("ravex.train_loop: a decorated function is already running in this process", hint="decorate only the outermost training function")
+    cfg = load_config()  # errors here: before any training
+    handler = _logging(cfg.log_file)
+    rt = Runtime(cfg, preemption_handler)
+    try:
+        rt.start()
+    except BaseException:
+        log.removeHandler(handler)
+        handler.close()
+        raise
+    _current = rt
+    undo = patches.apply(rt)
+    old_term: Any = None
+    if preemption_handler and threading.current_thread() is threading.main_thread():
+        def on_term(signum: int, frame: Any) -> None:
+            rt.preempted = True
+        old_term = signal.signal(signal.SIGTERM, on_term)
+    ok = False
+    try:
+        try:
+            out = f(*args, **kwargs)
+        except StopRun:
+            out = None
+        ok = True
+        return out
+    except SystemExit as exc:
+        ok = rt.preempted or exc.code in (0, None)
+        raise
+    finally:
+        undo()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+        try:
+            # The final checkpoint: only when the state is consistent (the function finished, or it
+            # failed at an iteration boundary, not in the middle of a step).
+            if rt.active and (ok or rt.steps_since_boundary == 0) and rt.step > rt.start_step:
+                if not rt.restored:
+                    rt.restore()
+                rt.collect(final=True)
+            rt.stop(wrote_final=True)
+        except Exception as exc:  # noqa: BLE001 - Ravex failing at exit must not replace the user's outcome
+            log.error("ravex: the final checkpoint failed: %s", exc)
+        finally:
+            _current = None
+            log.removeHandler(handler)
+            handler.close()
+
+
+def track(*objs: Any, name: str | None = None) -> None:
+    """Name objects Ravex should save and restore: anything with ``state_dict``/``load_state_dict``
+    (an EMA, a custom sampler), or a model/optimizer/DataLoader built outside the decorated function."""
+    rt = _rt()
+    if rt is None:
+        return
+    for i, obj in enumerate(objs):
+        key = name if name is not None and len(objs) == 1 else (f"{name}.{i}" if name is not None else f"{type(obj).__name__}.{len(rt.tracked)}")
+        rt.track(obj, key)
+
+
+def batch_boundary() -> None:
+    """Mark the top of an iteration in a loop without a DataLoader: checkpoints are collected here.
+    Raises an internal stop (the decorated function returns) once ``max_steps`` is reached."""
+    rt = _current
+    if rt is not None:
+        rt._safe(rt.boundary, always=True)
+
+
+def checkpoint() -> None:
+    """Collect a checkpoint now (call it at the top of an iteration); written in the background."""
+    rt = _rt()
+    if rt is not None:
+        if not rt.restored:
+            rt._safe(rt.restore)
+        rt._safe(rt.collect)
+
+
+def flush() -> None:
+    """Wait until every collected checkpoint is written."""
+    rt = _rt()
+    if rt is not None:
+        rt.flush()
+
+
+def step() -> int:
+    """The global optimizer step, counted across restarts (0 outside a run)."""
+    rt = _current
+    return int(rt.step) if rt is not None else 0
+
+
+def is_active() -> bool:
+    """Whether a decorated function is running with Ravex on."""
+    return _rt() is not None
+
+
+def deactivate() -> None:
+    """Stop checkpointing for the rest of this run (the patches stay inert until the function returns)."""
+    rt = _rt()
+    if rt is not None:
+        rt.flush()
+        rt.active = rt.counting = False
+
+
+def status() -> dict[str, Any]:
+    """Where this run stands: active, step, store, the checkpoint it resumed from, the last one written."""
+    rt = _current
+    if rt is None:
+        return {"active": False, "step": 0}
+    return {"active": bool(rt.active), "step": rt.step, "store": str(rt.store), "run_id": rt.run_id, "resumed_from": rt.resumed_index,
+            "resumed_step": rt.start_step if rt.resume is not None else None, "last_index": rt.last_index, "checkpoints_written": rt.writes,
+            "error": rt.error}
+
+
+def restore(path: str | Path | None = None, index: int = -1, *, weights_only: bool = False) -> int:
+    """Load checkpoint ``index`` of the store at ``path`` (default: this run's store) into the live
+    objects of the running function; returns the checkpoint's step. ``weights_only`` loads the model only
+    (a fine-tuning start) and leaves the step counter, optimizer and RNG alone."""
+    from .loading import load_checkpoint
+
+    rt = _current
+    if rt is None:
+        raise RavexError("ravex.restore() is called outside a @ravex.train_loop function", hint="call it inside the decorated function")
+    store = Path(path) if path is not None else rt.store
+    ckpt, tensors = load_checkpoint(store, index)
+    rt.restored = True
+    rt.apply(ckpt, tensors, weights_only=weights_only)
+    if not weights_only:
+        rt.step = int(ckpt.step or 0)
+    return int(ckpt.step or 0)
+
+
+def load_weights(module: Any, path: str | Path, index: int = -1, *, strict: bool = True) -> int:
+    """Load only the model weights of a native store's checkpoint into ``module`` (fine-tuning); returns its step."""
+    from ravex_convert.model import MODEL
+
+    from .loading import load_checkpoint
+
+    ckpt, tensors = load_checkpoint(Path(path), index)
+    sd = {n[len(MODEL):]: t for n, t in tensors.items() if n.startswith(MODEL)}
+    module.load_state_dict(sd, strict=strict)
+    return int(ckpt.step or 0)

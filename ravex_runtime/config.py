@@ -1,0 +1,180 @@
+"""Configuration: defaults < ``ravex.yaml`` (at or above the working directory) < ``RAVEX_*``.
+
+Every key is documented in docs/configuration.md. Errors name the key and the
+file (or environment variable) and are raised when the decorated function is
+called, before any training happens.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ravex_convert.errors import RavexError
+
+__all__ = ["CONFIG_FILE", "Config", "ConfigError", "enabled", "find_config_file", "load_config"]
+
+CONFIG_FILE = "ravex.yaml"
+
+
+class ConfigError(RavexError):
+    """A configuration key that is unknown, malformed or not supported yet."""
+
+
+@dataclass
+class Config:
+    checkpoint_every: int = 100
+    backend: str = "native"
+    compression: str = "none"
+    storage_type: str = "local"
+    storage_path: Path = Path("ravex_checkpoints")
+    keep_last: int | None = 3
+    max_steps: int | None = None
+    resume_from: str | int | None = None
+    fresh: bool = False
+    log_file: Path | None = None
+    source: str = "defaults"  # the file the configuration came from, for messages
+
+
+# key -> (kind, later-work?)  kinds: int+ (positive int), int+? (positive int or null), choice, path, bool, resume
+_KEYS: dict[str, str] = {
+    "checkpoint_every": "int+",
+    "backend": "backend",
+    "compression": "compression",
+    "storage.type": "storage_type",
+    "storage.path": "path",
+    "keep_last": "int+?",
+    "max_steps": "int+?",
+    "resume_from": "resume",
+    "fresh": "bool",
+    "log_file": "path?",
+}
+_LATER = {"sharded_checkpoints", "replicate_every"}
+_CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "storage_type": ("local",)}
+_LATER_STORAGE = ("s3", "r2")
+_ENV = {"RAVEX_" + k.upper().replace(".", "_"): k for k in [*_KEYS, *_LATER]}
+# not settings, but Ravex's own: the on/off switch, and the set-up scripts' venv path
+_ENV_OTHER = {"RAVEX_ENABLED", "RAVEX_VENV"}
+
+
+def enabled() -> bool:
+    """False when ``RAVEX_ENABLED`` is 0/false/no/off."""
+    return os.environ.get("RAVEX_ENABLED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def find_config_file(start: Path | None = None) -> Path | None:
+    """``ravex.yaml`` in ``start`` (default: the working directory) or the nearest directory above it."""
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        p = d / CONFIG_FILE
+        if p.is_file():
+            return p
+    return None
+
+
+def _flatten(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in doc.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"{where}: key {k!r} is not a string", hint="keys are names such as checkpoint_every or storage")
+        if k == "storage":
+            if not isinstance(v, dict):
+                raise ConfigError(f"{where}: 'storage' must be a mapping with 'type' and 'path'", hint="storage:\n  type: local\n  path: checkpoints")
+            for sk, sv in v.items():
+                out[f"storage.{sk}"] = sv
+        else:
+            out[k] = v
+    return out
+
+
+def _parse_env(key: str, raw: str) -> Any:
+    """Environment values are text: YAML scalars give them types (``10`` -> 10, ``true`` -> True)."""
+    import yaml  # type: ignore[import-untyped]
+
+    try:
+        return yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        return raw
+
+
+def _value(key: str, value: Any, where: str, base: Path) -> Any:
+    kind = _KEYS[key]
+    name = f"{where}: {key}"
+
+    def bad(expect: str) -> ConfigError:
+        return ConfigError(f"{name} is {value!r}, {expect}", hint="see docs/configuration.md for every key and its default")
+
+    if kind in ("int+", "int+?"):
+        if value is None and kind == "int+?":
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise bad("expected a positive integer" + (" or null" if kind == "int+?" else ""))
+        return value
+    if kind in ("backend", "compression", "storage_type"):
+        if kind == "storage_type" and value in _LATER_STORAGE:
+            raise ConfigError(f"{name} is {value!r}: remote storage is not supported yet", hint="use storage.type: local (the default)")
+        choices = _CHOICES[kind]
+        if value not in choices:
+            raise bad(f"expected one of {', '.join(choices)}")
+        return value
+    if kind in ("path", "path?"):
+        if value is None and kind == "path?":
+            return None
+        if not isinstance(value, str) or not value:
+            raise bad("expected a path")
+        p = Path(os.path.expanduser(value))
+        return p if p.is_absolute() else base / p
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise bad("expected true or false")
+        return value
+    # resume: a checkpoint directory / store path, or a store index
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str) and value:
+        p = Path(os.path.expanduser(value))
+        return str(p if p.is_absolute() else base / p)
+    raise bad("expected a store index (e.g. -2) or a checkpoint path")
+
+
+def _apply(cfg: Config, values: dict[str, Any], where: str, base: Path, env: bool) -> None:
+    for key, raw in values.items():
+        if key in _LATER or (key.startswith("storage.") and key[len("storage."):] in _LATER):
+            raise ConfigError(f"{where}: {key} is not supported yet (single process, local storage only)", hint=f"remove {key}")
+        if key not in _KEYS:
+            known = ", ".join(_KEYS)
+            raise ConfigError(f"{where}: unknown key {key!r}", hint=f"known keys: {known}")
+        value = _value(key, _parse_env(key, raw) if env else raw, where, base)
+        setattr(cfg, key.replace(".", "_"), value)
+
+
+def load_config(cwd: Path | None = None, environ: dict[str, str] | None = None) -> Config:
+    """The effective configuration for a run started in ``cwd``."""
+    import yaml
+
+    environ = dict(os.environ if environ is None else environ)
+    cwd = (cwd or Path.cwd()).resolve()
+    cfg = Config(storage_path=cwd / "ravex_checkpoints")
+    path = find_config_file(cwd)
+    if path is not None:
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{path}: cannot be read as YAML: {exc}", hint="fix the file or remove it", path=path) from None
+        if doc is None:
+            doc = {}
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path}: expected a mapping of keys to values, found {type(doc).__name__}", hint="e.g. checkpoint_every: 100", path=path)
+        cfg.storage_path = path.parent / "ravex_checkpoints"
+        cfg.source = str(path)
+        _apply(cfg, _flatten(doc, str(path)), str(path), path.parent, env=False)
+    for var in sorted(environ):
+        if not var.startswith("RAVEX_") or var in _ENV_OTHER:
+            continue
+        if var not in _ENV:
+            raise ConfigError(f"environment variable {var}: not a Ravex setting",
+                              hint=f"known: {', '.join(sorted([*_ENV, *_ENV_OTHER]))}; unset it")
+        _apply(cfg, {_ENV[var]: environ[var]}, f"environment variable {var}", cwd, env=True)
+    return cfg

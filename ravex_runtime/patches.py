@@ -1,0 +1,135 @@
+"""The patches on PyTorch, on only while a decorated function runs.
+
+``apply(rt)`` replaces a handful of methods with wrappers that call the
+original first (so the user's call always behaves as before) and then tell the
+runtime, through ``rt._safe`` so a Ravex failure never reaches training code.
+It returns the function that puts the originals back.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .runtime import Runtime, StopRun
+
+__all__ = ["apply", "patched_targets"]
+
+
+def patched_targets() -> list[tuple[Any, str]]:
+    """(class, attribute) of every method Ravex replaces while a run is active."""
+    from torch.optim import lr_scheduler
+
+    out: list[tuple[Any, str]] = [
+        (torch.nn.Module, "__init__"), (torch.nn.Module, "train"), (torch.optim.Optimizer, "__init__"),
+        (lr_scheduler.LRScheduler, "__init__"), (torch.amp.GradScaler, "__init__"), (DataLoader, "__init__"), (DataLoader, "__iter__"),
+    ]
+    plateau = getattr(lr_scheduler, "ReduceLROnPlateau", None)
+    if plateau is not None and not issubclass(plateau, lr_scheduler.LRScheduler):
+        out.append((plateau, "__init__"))
+    return out
+
+
+class _Iter:
+    """The DataLoader iterator, seen through Ravex: the top of every iteration is a boundary."""
+
+    def __init__(self, rt: Runtime, loader: Any, inner: Any):
+        self._rt, self._loader, self._inner = rt, loader, inner
+
+    def __iter__(self) -> _Iter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __next__(self) -> Any:
+        rt = self._rt
+        if rt.counting and not rt.active and rt.at_max_steps():
+            raise StopIteration
+        if rt.active:
+            st = rt.loader_state(self._loader)
+            length = st.length(self._loader)
+            # At the end of an epoch the boundary waits for the next epoch's first batch, so that
+            # per-epoch code after the inner loop is part of the checkpointed past.
+            if length is None or st.consumed < length:
+                try:
+                    rt._safe(rt.boundary)
+                except StopRun:
+                    raise StopIteration from None
+        batch = next(self._inner)
+        if rt.active:
+            rt.loader_state(self._loader).consumed += 1
+        return batch
+
+
+def apply(rt: Runtime) -> Callable[[], None]:
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(cls: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = cls.__dict__[name]
+        saved.append((cls, name, original))
+        wrapper = make(original)
+        functools.update_wrapper(wrapper, original)
+        setattr(cls, name, wrapper)
+
+    def after(notice: Callable[[Any], object]) -> Callable[[Any], Any]:
+        def make(original: Any) -> Any:
+            def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+                out = original(self, *args, **kwargs)
+                rt._safe(notice, self)
+                return out
+            return wrapper
+        return make
+
+    def module_init(m: Any) -> None:
+        # Only the outermost construction is a model; submodules are reached from it.
+        rt.notice_module(m)
+
+    def loader_iter(original: Any) -> Any:
+        def wrapper(self: Any) -> Any:
+            if rt.at_max_steps() and rt.restored:
+                return iter(())
+            if not rt.active:
+                return original(self)
+            st = rt._safe(rt.notice_loader, self)
+            if st is None:
+                return original(self)
+            try:
+                rt._safe(rt.boundary_restore_only)
+            except StopRun:
+                pass
+            if rt.at_max_steps():
+                return iter(())
+            made = rt._safe(st.make_iter, self, original, torch.get_rng_state())
+            inner = made if made is not None else original(self)
+            return _Iter(rt, self, inner)
+        return wrapper
+
+    from torch.optim import lr_scheduler
+
+    for cls, name in patched_targets():
+        if name == "__iter__":
+            patch(cls, name, loader_iter)
+        elif cls is torch.nn.Module:
+            patch(cls, name, after(module_init))
+        elif cls is torch.optim.Optimizer:
+            patch(cls, name, after(rt.notice_optimizer))
+        elif cls is DataLoader:
+            patch(cls, name, after(rt.notice_loader))
+        elif cls is torch.amp.GradScaler:
+            patch(cls, name, after(rt.notice_scaler))
+        elif issubclass(cls, lr_scheduler.LRScheduler) or cls.__name__ == "ReduceLROnPlateau":
+            patch(cls, name, after(rt.notice_scheduler))
+
+    def undo() -> None:
+        for cls, name, original in reversed(saved):
+            setattr(cls, name, original)
+
+    return undo

@@ -1,0 +1,576 @@
+"""One runtime per decorated call: what the patches call into.
+
+It knows what is being trained (held by weak reference), counts optimizer
+steps, collects a checkpoint at the top of an iteration when one is due,
+hands it to a background writer, and restores the newest checkpoint at the
+first iteration boundary of a resumed run.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ravex_convert.errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
+from ravex_convert.model import MODEL, OBJ, OPTIM, Checkpoint
+
+from .config import Config
+from .loading import TS_FILE, load_checkpoint, load_torch_save, torch_save_files
+from .sampler import LoaderState, generators_of
+from .state import Snapshot, capture_rng, restore_rng, to_checkpoint, unflatten
+
+__all__ = ["Runtime", "StopRun"]
+
+log = logging.getLogger("ravex")
+_live: list[Runtime] = []  # the runtime of this process, for the fork hooks
+
+
+def _before_fork() -> None:
+    # DataLoader workers are forked: no write may be in flight, or the child would inherit
+    # the store's lock (an flock lives as long as any copy of its descriptor).
+    for rt in _live:
+        rt._store_lock.acquire()
+
+
+def _after_fork_parent() -> None:
+    for rt in _live:
+        rt._store_lock.release()
+
+
+def _after_fork_child() -> None:
+    for rt in _live:
+        rt._store_lock.release()
+        if rt._lock_fd is not None:
+            os.close(rt._lock_fd)
+            rt._lock_fd = None
+    _live.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
+_WARN_AFTER_STEPS = 3
+
+
+class StopRun(BaseException):
+    """Raised at an iteration boundary once ``max_steps`` is reached; the decorator returns normally.
+    A BaseException so that a user's ``except Exception`` does not swallow it."""
+
+
+def _has_state(m: torch.nn.Module) -> bool:
+    return next(iter(m.parameters()), None) is not None or next(iter(m.buffers()), None) is not None
+
+
+class Runtime:
+    def __init__(self, cfg: Config, preemption_handler: bool = False):
+        self.cfg = cfg
+        self.run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+        self.store = Path(cfg.storage_path)
+        self.active = True  # checkpointing; off after deactivate() or a failure
+        self.counting = True  # step counting and max_steps; off only after deactivate()
+        self.preemption_handler = preemption_handler
+        self.preempted = False
+        self.step = 0
+        self.start_step = 0
+        self.due = False
+        self.boundary_seen = False
+        self.warned_boundary = False
+        self.steps_since_boundary = 0
+        self.modules: list[weakref.ref[torch.nn.Module]] = []
+        self.optimizers: list[weakref.ref[Any]] = []
+        self.schedulers: list[weakref.ref[Any]] = []
+        self.scalers: list[weakref.ref[Any]] = []
+        self.loaders: list[tuple[weakref.ref[Any], LoaderState]] = []
+        self.tracked: dict[str, Any] = {}
+        # Strong references to what was being trained at the last boundary: the final checkpoint
+        # runs after the function returned, when its locals are gone.
+        self.held: list[Any] = []
+        self._module_set: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._roots_cache: tuple[tuple[int, int], list[weakref.ref[torch.nn.Module]]] | None = None
+        self.hooks: list[Any] = []
+        self.resume: tuple[Checkpoint, dict[str, torch.Tensor]] | None = None
+        self.resumed_index: int | None = None
+        self.restored = False
+        self.last_index: int | None = None
+        self.last_step_written: int | None = None
+        self.writes = 0
+        self.error: str | None = None
+        self._queue: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
+        self._writer: threading.Thread | None = None
+        self._lock_fd: int | None = None
+        self._store_lock = threading.Lock()
+
+    # ------------------------------------------------------------ start and stop
+
+    def start(self) -> None:
+        """Take the store's run lock and find the checkpoint to resume from (errors raise: before training)."""
+        self._take_lock()
+        if not self.cfg.fresh:
+            self.resume = self._find_resume()
+        if self.resume is not None:
+            ckpt, _ = self.resume
+            self.step = self.start_step = int(ckpt.step or 0)
+        self._writer = threading.Thread(target=self._write_loop, name="ravex-writer", daemon=True)
+        self._writer.start()
+
+    def _take_lock(self) -> None:
+        store = self.store
+        if store.exists() and not store.is_dir():
+            raise RavexError(f"storage.path {store} exists and is not a directory", hint=f"set storage.path in {self.cfg.source} to a directory")
+        store.mkdir(parents=True, exist_ok=True)
+        if not (store / "ravex-store.json").is_file():
+            other = [p.name for p in store.iterdir()
+                     if p.name not in ("lock", "manifest.json", "checkpoints") and ".tmp-" not in p.name and not TS_FILE.fullmatch(p.name)]
+            if other:
+                raise RavexError(f"storage.path {store} is not a Ravex store and not empty (it holds {', '.join(sorted(other)[:5])})",
+                                 hint=f"point storage.path in {self.cfg.source} at a new or empty directory", path=store)
+        # The run lock is a flock on the store directory itself; the writer's own lock (<store>/lock)
+        # is taken per write, so the two never meet in one process.
+        fd = os.open(store, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RavexError(f"{store}: another training run is using this checkpoint store",
+                                 hint="only one run may write to a store at a time: stop the other run, or set storage.path (RAVEX_STORAGE_PATH) to another directory",
+                                 path=store) from None
+            raise
+        self._lock_fd = fd
+        _live.append(self)
+
+    def _find_resume(self) -> tuple[Checkpoint, dict[str, torch.Tensor]] | None:
+        from ravex_convert.formats import native
+
+        src = self.cfg.resume_from
+        if isinstance(src, str) and src.endswith(".pt"):
+            return load_torch_save(Path(src))
+        if isinstance(src, int) and self.cfg.backend == "torch_save":
+            files = torch_save_files(self.store)
+            found = files.get(src) if src >= 0 else (list(files.values())[src] if -src <= len(files) else None)
+            if found is None:
+                raise RavexError(f"resume_from {src}: {self.store} holds no such checkpoint (it has {len(files)})", hint="use -1 for the newest")
+            self.resumed_index = int(found.name[5:13])
+            return load_torch_save(found)
+        if isinstance(src, str):
+            p = Path(src)
+            if (p / "ravex-store.json").is_file():
+                return self._newest_good(p)
+            if (p / "checkpoint.json").is_file():
+                ckpt, tensors = load_checkpoint(p)
+                return ckpt, tensors
+            raise RavexError(f"resume_from {src}: neither a Ravex store nor a checkpoint directory of one",
+                             hint=f"set resume_from in {self.cfg.source} to a store, a checkpoints/<index> directory, or an index", path=p)
+        if isinstance(src, int):
+            ckpt, tensors = load_checkpoint(self.store, src)
+            self.resumed_index = ckpt.source.get("index")
+            return ckpt, tensors
+        if self.cfg.backend == "torch_save":
+            return self._newest_torch_save()
+        if not (self.store / "ravex-store.json").is_file():
+            return None
+        native.read_manifest(self.store)
+        return self._newest_good(self.store)
+
+    def _newest_good(self, store: Path) -> tuple[Checkpoint, dict[str, torch.Tensor]] | None:
+        from ravex_convert.formats import native
+
+        manifest = native.read_manifest(store)
+        entries = [e for e in manifest["checkpoints"] if isinstance(e, dict) and e.get("status") == "complete"]
+        for e in reversed(entries):
+            try:
+                ckpt, tensors = load_checkpoint(store, int(e["index"]))
+            except (CorruptCheckpointError, IncompleteCheckpointError, RavexError) as exc:
+                log.warning("ravex: checkpoint %s of %s is damaged and is skipped: %s", e.get("index"), store, exc)
+                continue
+            if store == self.store:
+                self.resumed_index = int(e["index"])
+            log.warning("ravex: resuming from checkpoint %s (step %s) of %s", e.get("index"), ckpt.step, store)
+            return ckpt, tensors
+        if entries:
+            log.warning("ravex: no checkpoint of %s could be loaded; starting from the beginning", store)
+        return None
+
+    def stop(self, wrote_final: bool) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.held = []
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if self in _live:
+            _live.remove(self)
+        self.active = self.counting = False
+
+    def disable(self, why: str) -> None:
+        if self.active:
+            log.error("ravex: disabled for the rest of this run: %s; training continues without checkpoints", why)
+        self.error = why
+        self.active = False
+
+    # ------------------------------------------------------------ noticing
+
+    def notice_module(self, m: torch.nn.Module) -> None:
+        if m in self._module_set:
+            return
+        self._module_set.add(m)
+        self.modules.append(weakref.ref(m))
+        if len(self.modules) > 2 * len(self._module_set) + 64:
+            self.modules = [r for r in self.modules if r() is not None]  # modules built and dropped inside the loop
+
+    def notice_optimizer(self, opt: Any) -> None:
+        if any(r() is opt for r in self.optimizers):
+            return
+        self.optimizers.append(weakref.ref(opt))
+        first = len(self.optimizers) == 1
+        if first:
+            self.hooks.append(opt.register_step_post_hook(lambda o, a, k: self._safe(self.on_step, always=True)))
+
+    def notice_scheduler(self, s: Any) -> None:
+        if not any(r() is s for r in self.schedulers):
+            self.schedulers.append(weakref.ref(s))
+
+    def notice_scaler(self, s: Any) -> None:
+        if not any(r() is s for r in self.scalers):
+            self.scalers.append(weakref.ref(s))
+
+    def notice_loader(self, loader: Any) -> LoaderState:
+        for r, st in self.loaders:
+            if r() is loader:
+                return st
+        st = LoaderState(loader, len(self.loaders))
+        self.loaders.append((weakref.ref(loader), st))
+        return st
+
+    def loader_state(self, loader: Any) -> LoaderState:
+        return self.notice_loader(loader)
+
+    def track(self, obj: Any, name: str) -> None:
+        if isinstance(obj, torch.nn.Module):
+            self.notice_module(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.notice_optimizer(obj)
+        elif isinstance(obj, torch.utils.data.DataLoader):
+            self.notice_loader(obj)
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise RavexError(f"ravex.track({type(obj).__name__}): the object has no state_dict()/load_state_dict()",
+                             hint="track objects that can save and load their state")
+        if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)):
+            self.tracked[name] = obj
+
+    def _safe(self, fn: Any, *args: Any, always: bool = False) -> Any:
+        """Every hook goes through here: a failure in Ravex never reaches the training code.
+        ``always``: runs while steps are counted even after checkpointing was switched off by a failure."""
+        if not (self.active or (always and self.counting)):
+            return None
+        try:
+            return fn(*args)
+        except (StopRun, SystemExit):
+            raise
+        except Exception as exc:  # a hook must never break training
+            log.exception("ravex: internal error in %s", getattr(fn, "__name__", fn))
+            self.disable(f"{type(exc).__name__}: {exc}")
+            return None
+
+    # ------------------------------------------------------------ events
+
+    def on_step(self) -> None:
+        self.step += 1
+        self.steps_since_boundary += 1
+        if self.step % self.cfg.checkpoint_every == 0:
+            self.due = True
+        if not self.boundary_seen and not self.warned_boundary and self.step - self.start_step >= _WARN_AFTER_STEPS:
+            self.warned_boundary = True
+            log.warning("ravex: %d optimizer steps and no iteration boundary seen: no DataLoader is iterated and ravex.batch_boundary() "
+                        "is not called, so no checkpoint can be collected; call ravex.batch_boundary() at the top of each iteration",
+                        self.step - self.start_step)
+
+    def boundary(self) -> None:
+        """The top of an iteration: restore (once), then checkpoint when due, stop at max_steps or on SIGTERM."""
+        if not self.active:
+            if self.counting and self.at_max_steps():
+                raise StopRun()
+            return
+        self.boundary_seen = True
+        self.steps_since_boundary = 0
+        self.held = [*self._roots(), *(x for group in (self.optimizers, self.schedulers, self.scalers) for r in group if (x := r()) is not None),
+                     *(x for r, _ in self.loaders if (x := r()) is not None)]
+        if not self.restored:
+            self.restore()
+        if self.preempted:
+            self.collect()
+            self.flush()
+            if self.error is None:
+                log.warning("ravex: SIGTERM received; checkpoint at step %d written, exiting", self.step)
+            else:
+                log.error("ravex: SIGTERM received; the checkpoint at step %d could not be written (%s), exiting", self.step, self.error)
+            raise SystemExit(0)
+        if self.due:
+            self.due = False
+            self.collect()
+        if self.cfg.max_steps is not None and self.step >= self.cfg.max_steps:
+            raise StopRun()
+
+    def boundary_restore_only(self) -> None:
+        """``iter(loader)``: restore (once) before the iterator is built, so it can continue the saved position."""
+        if not self.restored:
+            self.restore()
+
+    def at_max_steps(self) -> bool:
+        return self.counting and self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
+
+    # ------------------------------------------------------------ collection
+
+    def _roots(self) -> list[torch.nn.Module]:
+        key = (len(self.modules), len(self.optimizers))
+        if self._roots_cache is not None and self._roots_cache[0] == key and all(r() is not None for r in self._roots_cache[1]):
+            return [m for r in self._roots_cache[1] if (m := r()) is not None]
+        roots = self._find_roots()
+        self._roots_cache = (key, [weakref.ref(m) for m in roots])
+        return roots
+
+    def _find_roots(self) -> list[torch.nn.Module]:
+        mods = [m for r in self.modules if (m := r()) is not None]
+        children: set[int] = set()
+        for m in mods:
+            for c in m.modules():
+                if c is not m:
+                    children.add(id(c))
+        # Roots that hold state, the one owning the first optimizer's parameters first: that one is "the model"
+        # (model/<fqn>); a loss module built earlier holds no state and is left out.
+        roots = [m for m in mods if id(m) not in children and _has_state(m)]
+        opt = next((o for r in self.optimizers if (o := r()) is not None), None)
+        if opt is not None:
+            first = {id(p) for g in opt.param_groups for p in g["params"]}
+            roots.sort(key=lambda m: not any(id(p) in first for p in m.parameters()))
+        return roots
+
+    def _param_names(self, roots: list[torch.nn.Module]) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for i, m in enumerate(roots):
+            for n, p in m.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), n if i == 0 else f"model{i}.{n}")
+        return names
+
+    def collect(self, final: bool = False) -> None:
+        """Copy the state now (training thread) and queue it for the writer."""
+        if not self.active:
+            return
+        if self.last_step_written == self.step and final:
+            return
+        snap = Snapshot(step=self.step)
+        roots = self._roots()
+        for i, m in enumerate(roots):
+            for k, v in m.state_dict().items():
+                if isinstance(v, torch.Tensor):
+                    snap.add(f"{MODEL}{k}" if i == 0 else f"{OBJ}model.{i}/{k}", v)
+        if not roots:
+            log.warning("ravex: no model is known at step %d (none was built inside the decorated function, or it is gone); "
+                        "no checkpoint is written. Use ravex.track(model).", self.step)
+            return
+        names = self._param_names(roots)
+        opts = [o for r in self.optimizers if (o := r()) is not None]
+        for i, opt in enumerate(opts):
+            if i == 0:
+                snap.objects.update(self._capture_optimizer(snap, opt, names))
+            else:
+                snap.objects[f"optimizer.{i}"] = snap.flatten(opt.state_dict(), f"optimizer.{i}")
+        for i, s in enumerate(x for r in self.schedulers if (x := r()) is not None):
+            snap.objects["lr_scheduler" if i == 0 else f"lr_scheduler.{i}"] = snap.flatten(s.state_dict(), f"lr_scheduler.{i}")
+        for i, s in enumerate(x for r in self.scalers if (x := r()) is not None):
+            snap.objects["loss_scaler" if i == 0 else f"loss_scaler.{i}"] = snap.flatten(s.state_dict(), f"loss_scaler.{i}")
+        snap.objects["tracked"] = {name: snap.flatten(obj.state_dict(), f"tracked/{name}") for name, obj in self.tracked.items()}
+        snap.objects["rng"] = capture_rng(snap, "rng")
+        snap.objects["loaders"] = [st.capture(snap, ld) if (ld := r()) is not None else None for r, st in self.loaders]
+        snap.objects["step"] = self.step
+        snap.objects["extra"] = {"ravex_run_id": self.run_id}
+        self.last_step_written = self.step
+        self._queue.put(snap)
+
+    def _capture_optimizer(self, snap: Snapshot, opt: Any, names: dict[int, str]) -> dict[str, Any]:
+        sd = opt.state_dict()
+        pnames: list[str] = []
+        for g in opt.param_groups:
+            for p in g["params"]:
+                pnames.append(names.get(id(p), f"param.{len(pnames)}"))
+        scalars: dict[str, dict[str, Any]] = {}
+        for pid, st in sd["state"].items():
+            fqn = pnames[pid]
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    snap.add(f"{OPTIM}{k}/{fqn}", v)
+                else:
+                    scalars.setdefault(fqn, {})[k] = v
+        groups = []
+        for g in sd["param_groups"]:
+            groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": [pnames[i] for i in g["params"]]})
+        return {"optim.param_groups": snap.flatten(groups, "optim.param_groups"), "optim.scalars": scalars}
+
+    # ------------------------------------------------------------ writing
+
+    def _write_loop(self) -> None:
+        while True:
+            snap = self._queue.get()
+            try:
+                if snap is None:
+                    return
+                if self.error is None:
+                    self._write(snap)
+            except Exception as exc:  # noqa: BLE001 - a failing write disables Ravex, training goes on
+                log.error("ravex: writing the checkpoint of step %d to %s failed: %s", snap.step if snap else -1, self.store, exc)
+                self.disable(f"checkpoint write failed: {exc}")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, snap: Snapshot) -> None:
+        from ravex_convert._output import Options
+        from ravex_convert.formats import native_write
+
+        ckpt = to_checkpoint(snap, self.store)
+        if self.cfg.backend == "torch_save":
+            with self._store_lock:
+                self._write_torch_save(ckpt)
+            return
+        opts = Options(compression=None if self.cfg.compression == "none" else self.cfg.compression)
+        with self._store_lock:
+            result = native_write.write(ckpt, self.store, opts, run_id=self.run_id.replace(".", "-"))
+            for w in result.get("warnings", []):
+                log.warning("ravex: %s", w)
+            self.last_index = int(result["index"])
+            self.writes += 1
+            if self.cfg.keep_last is not None:
+                pinned = {self.resumed_index} if self.resumed_index is not None else set()
+                native_write.prune(self.store, self.cfg.keep_last, pinned=pinned)
+
+    def _write_torch_save(self, ckpt: Checkpoint) -> None:
+        """One ``ckpt-<index>.pt`` per checkpoint, in the portable torch.save layout (written to a
+        temporary name and renamed into place by the torch_save writer); keep_last by file."""
+        from ravex_convert._output import Options
+        from ravex_convert.formats import torch_save
+
+        files = torch_save_files(self.store)
+        index = max(files, default=-1) + 1
+        torch_save.write(ckpt, self.store / f"ckpt-{index:08d}.pt", Options())
+        self.last_index = index
+        self.writes += 1
+        if self.cfg.keep_last is not None:
+            files = torch_save_files(self.store)
+            for i in list(files)[:-self.cfg.keep_last]:
+                if i != self.resumed_index:
+                    files[i].unlink()
+
+    def _newest_torch_save(self) -> tuple[Checkpoint, dict[str, torch.Tensor]] | None:
+        for i, path in reversed(list(torch_save_files(self.store).items())):
+            try:
+                found = load_torch_save(path)
+            except Exception as exc:  # noqa: BLE001 - torch.load reports damage in many exception types
+                log.warning("ravex: checkpoint %s is damaged and is skipped: %s", path, exc)
+                continue
+            self.resumed_index = i
+            log.warning("ravex: resuming from checkpoint %s (step %s) of %s", i, found[0].step, self.store)
+            return found
+        return None
+
+    def flush(self) -> None:
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.join()
+
+    # ------------------------------------------------------------ restore
+
+    def restore(self) -> None:
+        """Put the resume checkpoint into the live objects (at the first iteration boundary)."""
+        self.restored = True
+        if self.resume is None:
+            return
+        ckpt, tensors = self.resume
+        self.apply(ckpt, tensors, weights_only=False)
+
+    def apply(self, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], weights_only: bool) -> None:
+        objs = {k: unflatten(v, tensors) for k, v in ckpt.objects.items()}
+        roots = self._roots()
+        for i, m in enumerate(roots):
+            prefix = MODEL if i == 0 else f"{OBJ}model.{i}/"
+            sd = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
+            if sd:
+                missing, unexpected = m.load_state_dict(sd, strict=False)
+                if missing or unexpected:
+                    log.warning("ravex: restoring %s: missing %s, unexpected %s", type(m).__name__, list(missing)[:5], list(unexpected)[:5])
+        if weights_only:
+            return
+        names = self._param_names(roots)
+        opts = [o for r in self.optimizers if (o := r()) is not None]
+        for i, opt in enumerate(opts):
+            if i == 0 and "optim.param_groups" in objs:
+                self._restore_optimizer(opt, objs, tensors, names)
+            elif f"optimizer.{i}" in objs:
+                opt.load_state_dict(objs[f"optimizer.{i}"])
+        for i, s in enumerate(x for r in self.schedulers if (x := r()) is not None):
+            key = "lr_scheduler" if i == 0 else f"lr_scheduler.{i}"
+            if key in objs:
+                s.load_state_dict(objs[key])
+        for i, s in enumerate(x for r in self.scalers if (x := r()) is not None):
+            key = "loss_scaler" if i == 0 else f"loss_scaler.{i}"
+            if key in objs:
+                s.load_state_dict(objs[key])
+        for name, obj in self.tracked.items():
+            saved = (objs.get("tracked") or {}).get(name)
+            if saved is None:
+                log.warning("ravex: tracked object %r is not in the checkpoint; it starts fresh", name)
+            else:
+                obj.load_state_dict(saved)
+        if "rng" in objs:
+            restore_rng(objs["rng"])
+        for i, (r, st) in enumerate(self.loaders):
+            ld = r()
+            saved_l = (objs.get("loaders") or [])
+            if ld is not None and i < len(saved_l) and saved_l[i] is not None:
+                # Generators of a loader not yet iterated: their checkpoint state now; the position at its next iter().
+                st.pending = saved_l[i]
+                gens = generators_of(ld)
+                for k, g in gens.items():
+                    if k in saved_l[i].get("generators", {}):
+                        g.set_state(saved_l[i]["generators"][k])
+        if isinstance(objs.get("step"), int):
+            self.step = objs["step"]
+
+    def _restore_optimizer(self, opt: Any, objs: dict[str, Any], tensors: dict[str, torch.Tensor], names: dict[int, str]) -> None:
+        live = opt.state_dict()
+        saved_groups = objs["optim.param_groups"]
+        if len(saved_groups) != len(live["param_groups"]):
+            raise RavexError(f"the optimizer has {len(live['param_groups'])} parameter groups, the checkpoint {len(saved_groups)}",
+                             hint="build the optimizer as the checkpointed run did")
+        pnames: list[str] = []
+        for g in opt.param_groups:
+            for p in g["params"]:
+                pnames.append(names.get(id(p), f"param.{len(pnames)}"))
+        by_name: dict[str, dict[str, Any]] = {}
+        for n, t in tensors.items():
+            if n.startswith(OPTIM):
+                _, key, fqn = n.split("/", 2)
+                by_name.setdefault(fqn, {})[key] = t
+        for fqn, sc in (objs.get("optim.scalars") or {}).items():
+            by_name.setdefault(fqn, {}).update(sc)
+        state = {i: by_name[n] for i, n in enumerate(pnames) if n in by_name}
+        groups = []
+        for lg, sg in zip(live["param_groups"], saved_groups):
+            if len(sg["params"]) != len(lg["params"]):
+                raise RavexError("a parameter group of the optimizer differs in size from the checkpoint's", hint="build the optimizer as the checkpointed run did")
+            g = dict(lg)
+            g.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
+            groups.append(g)
+        opt.load_state_dict({"state": state, "param_groups": groups})

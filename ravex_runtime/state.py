@@ -1,0 +1,147 @@
+"""Turning live training state into a checkpoint model and back.
+
+Collection runs on the training thread and only copies (``snapshot``); turning
+the copies into bytes and a :class:`~ravex_convert.model.Checkpoint` happens on
+the writer thread (``to_checkpoint``). Names follow the checkpoint model:
+``model/<fqn>`` for the model, ``optim/<state>/<fqn>`` for the first
+optimizer (keyed by parameter name), ``obj/<key>/<path>`` for tensors inside
+every other object (RNG states, other optimizers, tracked objects).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ravex_convert.errors import RavexError
+from ravex_convert.model import OBJ, Box, Checkpoint, Chunk, LogicalTensor, TensorLink
+
+__all__ = ["Snapshot", "capture_rng", "from_bytes", "restore_rng", "tensor_bytes", "to_checkpoint", "unflatten"]
+
+
+@dataclass
+class Snapshot:
+    """Copies of the state, made on the training thread."""
+
+    step: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, t: torch.Tensor) -> TensorLink:
+        # A real copy: the training thread goes on changing the original in place.
+        self.tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+        return TensorLink(name)
+
+    def flatten(self, value: Any, prefix: str) -> Any:
+        """``value`` with every tensor replaced by a link to a copy named ``obj/<prefix>/<path>``."""
+        if isinstance(value, torch.Tensor):
+            return self.add(f"{OBJ}{prefix}", value)
+        if isinstance(value, dict):
+            return {k: self.flatten(v, f"{prefix}/{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.flatten(v, f"{prefix}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            return tuple(self.flatten(v, f"{prefix}/{i}") for i, v in enumerate(value))
+        if type(value).__module__ == "numpy":
+            return _numpy_plain(value)
+        return value
+
+
+def _numpy_plain(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.dtype.str, "shape": list(value.shape), "data": value.tobytes()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _numpy_back(value: Any) -> Any:
+    import numpy as np
+
+    if isinstance(value, dict) and "__ndarray__" in value:
+        return np.frombuffer(value["data"], dtype=np.dtype(value["__ndarray__"])).reshape(value["shape"]).copy()
+    return value
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    if t.numel() == 0:
+        return b""
+    return bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    dt = getattr(torch, dtype)
+    if not data:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(shape).clone()
+
+
+def to_checkpoint(snap: Snapshot, path: Any) -> Checkpoint:
+    """A checkpoint model whose chunks carry the snapshot's bytes inline (writer thread)."""
+    ckpt = Checkpoint("native", path, step=snap.step)
+    for name, t in snap.tensors.items():
+        shape = tuple(int(s) for s in t.shape)
+        lt = LogicalTensor(name, shape, _dtype_name(t))
+        if t.numel():
+            lt.chunks.append(Chunk(Box(tuple(0 for _ in shape), shape), lt.dtype, data=tensor_bytes(t)))
+        ckpt.add(lt)
+    ckpt.objects = dict(snap.objects)
+    return ckpt
+
+
+def unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of :meth:`Snapshot.flatten`: links replaced by loaded tensors."""
+    if isinstance(value, TensorLink):
+        if value.name not in tensors:
+            raise RavexError(f"the checkpoint refers to tensor '{value.name}' but does not hold it", hint="the checkpoint is damaged; use an older one")
+        return tensors[value.name]
+    if isinstance(value, dict):
+        if "__ndarray__" in value:
+            return _numpy_back(value)
+        return {k: unflatten(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [unflatten(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(unflatten(v, tensors) for v in value)
+    return value
+
+
+# ---------------------------------------------------------------- RNG
+
+
+def capture_rng(snap: Snapshot, key: str) -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (when present) CUDA generator states."""
+    out: dict[str, Any] = {"python": random.getstate(), "torch": snap.add(f"{OBJ}{key}/torch", torch.get_rng_state())}
+    try:
+        import numpy as np
+
+        out["numpy"] = snap.flatten(np.random.get_state(legacy=True), f"{key}/numpy")
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        out["cuda"] = [snap.add(f"{OBJ}{key}/cuda/{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
+    return out
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    if "python" in state:
+        py = state["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(tuple(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+

@@ -1,0 +1,65 @@
+"""``ravex status [PATH]``: the checkpoints of a store and what a resume would pick.
+
+A plain function returning data; the CLI renders it. Reads JSON metadata only
+(and, for the resume pick, the checkpoint files' presence), never tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ravex_convert.errors import NotFoundError, RavexError
+
+from .config import find_config_file, load_config
+
+__all__ = ["store_status"]
+
+
+def _default_store() -> Path:
+    return load_config().storage_path
+
+
+def _dir_size(d: Path) -> int:
+    total = 0
+    if d.is_dir():
+        for p in d.rglob("*"):
+            if p.is_file():
+                total += p.stat().st_size
+    return total
+
+
+def store_status(path: str | Path | None = None) -> dict[str, Any]:
+    """The store at ``path`` (default: ``storage.path`` of the configuration found from the working
+    directory): ``store``, ``config`` (the file used, if any), ``checkpoints`` (index, step, bytes
+    (logical), bytes_on_disk (files in its own directory), created_unix, complete, problem, run_id) and
+    ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint)."""
+    from ravex_convert.formats.native import CHECKPOINT, MANIFEST, STORE_MARKER
+
+    store = Path(path) if path is not None else _default_store()
+    if not (store / STORE_MARKER).is_file():
+        raise NotFoundError(f"{store}: not a Ravex store (no {STORE_MARKER})",
+                            hint="give the store directory (storage.path in ravex.yaml) or run where ravex.yaml is", path=store)
+    try:
+        manifest = json.loads((store / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RavexError(f"{store / MANIFEST}: cannot be read: {exc}", hint="the store's manifest is damaged", path=store / MANIFEST) from None
+    rows: list[dict[str, Any]] = []
+    resume: int | None = None
+    for e in manifest.get("checkpoints", []):
+        if not isinstance(e, dict):
+            continue
+        d = store / str(e.get("dir", ""))
+        problem = None
+        if e.get("status") != "complete":
+            problem = f"status {e.get('status')!r}"
+        elif not (d / CHECKPOINT).is_file():
+            problem = f"{CHECKPOINT} missing"
+        rows.append({"index": e.get("index"), "step": e.get("step"), "bytes": e.get("bytes"), "bytes_on_disk": _dir_size(d),
+                     "created_unix": e.get("created_unix"), "complete": problem is None, "problem": problem, "run_id": e.get("run_id")})
+        if problem is None:
+            resume = e.get("index")
+    cfg = find_config_file()
+    return {"store": str(store), "config": str(cfg) if cfg else None, "checkpoints": rows, "resume": resume,
+            "note": "a resume verifies checksums and falls back to the previous checkpoint when the newest is damaged"}

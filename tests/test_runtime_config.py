@@ -1,0 +1,81 @@
+"""Configuration: defaults < ravex.yaml (found at or above the working directory) < RAVEX_*."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ravex_runtime.config import ConfigError, enabled, load_config
+
+
+def test_defaults_without_a_file(tmp_path: Path) -> None:
+    cfg = load_config(tmp_path, environ={})
+    assert cfg.checkpoint_every == 100
+    assert cfg.backend == "native"
+    assert cfg.compression == "none"
+    assert cfg.storage_type == "local"
+    assert cfg.storage_path == tmp_path.resolve() / "ravex_checkpoints"
+    assert cfg.keep_last == 3
+    assert cfg.max_steps is None and cfg.resume_from is None and cfg.fresh is False and cfg.log_file is None
+
+
+def test_file_above_the_working_directory_and_paths_relative_to_it(tmp_path: Path) -> None:
+    (tmp_path / "ravex.yaml").write_text("checkpoint_every: 5\nstorage:\n  type: local\n  path: ckpts\nkeep_last: 2\nlog_file: logs/r.log\n")
+    sub = tmp_path / "a" / "b"
+    sub.mkdir(parents=True)
+    cfg = load_config(sub, environ={})
+    assert cfg.checkpoint_every == 5
+    assert cfg.storage_path == tmp_path.resolve() / "ckpts"
+    assert cfg.log_file == tmp_path.resolve() / "logs" / "r.log"
+    assert cfg.keep_last == 2
+    assert cfg.source == str(tmp_path.resolve() / "ravex.yaml")
+
+
+def test_environment_overrides_the_file(tmp_path: Path) -> None:
+    (tmp_path / "ravex.yaml").write_text("checkpoint_every: 5\ncompression: none\n")
+    env = {"RAVEX_CHECKPOINT_EVERY": "7", "RAVEX_STORAGE_PATH": "/abs/store", "RAVEX_COMPRESSION": "zstd", "RAVEX_FRESH": "true",
+           "RAVEX_MAX_STEPS": "40", "RAVEX_RESUME_FROM": "-2", "RAVEX_ENABLED": "1"}
+    cfg = load_config(tmp_path, environ=env)
+    assert (cfg.checkpoint_every, cfg.compression, cfg.fresh, cfg.max_steps, cfg.resume_from) == (7, "zstd", True, 40, -2)
+    assert cfg.storage_path == Path("/abs/store")
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("checkpoint_every: 0\n", "checkpoint_every is 0, expected a positive integer"),
+    ("checkpoint_evry: 3\n", "unknown key 'checkpoint_evry'"),
+    ("backend: pickle\n", "backend is 'pickle', expected one of native, torch_save"),
+    ("compression: lz4\n", "compression is 'lz4'"),
+    ("storage:\n  type: s3\n", "storage.type is 's3': remote storage is not supported yet"),
+    ("storage:\n  type: r2\n", "not supported yet"),
+    ("sharded_checkpoints: per_rank\n", "sharded_checkpoints is not supported yet"),
+    ("replicate_every: 2\n", "replicate_every is not supported yet"),
+    ("fresh: yes please\n", "fresh is 'yes please', expected true or false"),
+    ("keep_last: -1\n", "keep_last is -1"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("storage: here\n", "'storage' must be a mapping"),
+])
+def test_bad_file_values_name_the_key_and_the_file(tmp_path: Path, text: str, needle: str) -> None:
+    (tmp_path / "ravex.yaml").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path, environ={})
+    assert needle in info.value.message
+    assert str(tmp_path.resolve() / "ravex.yaml") in info.value.message
+    assert info.value.hint
+
+
+def test_bad_environment_values_name_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="environment variable RAVEX_CHECKPOINT_EVERY: checkpoint_every is 'often'"):
+        load_config(tmp_path, environ={"RAVEX_CHECKPOINT_EVERY": "often"})
+    with pytest.raises(ConfigError, match="RAVEX_CHECKPOINT_EVRY: not a Ravex setting"):
+        load_config(tmp_path, environ={"RAVEX_CHECKPOINT_EVRY": "3"})
+    with pytest.raises(ConfigError, match="not supported yet"):
+        load_config(tmp_path, environ={"RAVEX_STORAGE_TYPE": "s3"})
+
+
+def test_enabled_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAVEX_ENABLED", raising=False)
+    assert enabled()
+    for off in ("0", "false", "off"):
+        monkeypatch.setenv("RAVEX_ENABLED", off)
+        assert not enabled()
