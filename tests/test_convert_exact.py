@@ -294,3 +294,14 @@ def test_zero_output_refusals(tmp_path: Path) -> None:
     res = run_ravex("convert", _src("safetensors_single"), tmp_path / "b", "--to", "zero", "--world-size", "2", "--zero-stage", "2")
     assert res.returncode == 8 and "hint:" in res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_bare_state_dict_converts_once(tmp_path: Path) -> None:
+    # a plain torch.save(model.state_dict()): every entry is a weight, written once
+    sd = {f"layer{i}.weight": torch.randn(3, 5) for i in range(4)}
+    torch.save(sd, tmp_path / "sd.pt")
+    assert run_ravex("convert", tmp_path / "sd.pt", tmp_path / "out.pt", "--to", "torch_save", "-q").returncode == 0
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert sorted(out) == ["model"]
+    assert sorted(out["model"]) == sorted(sd)
+    assert all(torch.equal(out["model"][k], v) for k, v in sd.items())

@@ -288,7 +288,7 @@ def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
             g2["params"] = [names.get(p, p) for p in g.get("params", [])]
             groups.append(g2)
         ckpt.objects["optim.param_groups"] = groups
-    if isinstance(root, dict):
+    if isinstance(root, dict) and model_key is not None:  # a bare state dict is all model
         for key, value in root.items():
             if key in (model_key, optim_key) or (optim_key == "optimizer_states[0]" and key == "optimizer_states"):
                 continue
