@@ -134,16 +134,25 @@ impl Error {
 
 /// The bytes of one source, readable from any thread.
 pub(crate) enum SourceData<'a> {
-    Map(Mmap),
+    /// A mapped file, and the file (same-dtype copies go file to file).
+    Map(Mmap, File),
     Bytes(&'a [u8]),
     /// An empty file: mapping zero bytes is an error on Linux.
     Empty,
 }
 
 impl SourceData<'_> {
+    /// The file behind a mapped source.
+    pub(crate) fn file(&self) -> Option<&File> {
+        match self {
+            SourceData::Map(_, f) => Some(f),
+            _ => None,
+        }
+    }
+
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
-            SourceData::Map(m) => m,
+            SourceData::Map(m, _) => m,
             SourceData::Bytes(b) => b,
             SourceData::Empty => &[],
         }
@@ -167,7 +176,7 @@ pub(crate) fn map_file(path: &Path) -> Result<SourceData<'static>, Error> {
     // Copies read each range once, front to back; read-ahead helps, and a
     // failed hint changes nothing.
     let _ = map.advise(Advice::Sequential);
-    Ok(SourceData::Map(map))
+    Ok(SourceData::Map(map, file))
 }
 
 /// Opens every source: files are mapped, buffers borrowed.
