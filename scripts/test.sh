@@ -19,7 +19,7 @@ echo "== build and install"
 scripts/install.sh "$venv"
 
 echo "== lint: ruff, mypy --strict, stubtest of the compiled module, clippy"
-"$venv/bin/ruff" check ravex ravex_convert ravex_runtime tests integration scripts fixtures
+"$venv/bin/ruff" check ravex ravex_convert ravex_runtime tests integration scripts fixtures bench
 "$venv/bin/mypy"
 # from outside the tree, so the installed module (with its .so) is what is checked
 (cd "$(mktemp -d)" && "$venv/bin/python" -m mypy.stubtest ravex_convert._core)
