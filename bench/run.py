@@ -12,8 +12,11 @@ the same with an FSDP2 + DCP checkpoint (world size 2). Commands, per input:
   checkpoint root), to safetensors (``--safe_serialization``) and to its default
   ``pytorch_model.bin``; DCP -> ``python -m torch.distributed.checkpoint.format_utils
   dcp_to_torch`` (``dcp_to_torch_save``);
-- ``cp -r SRC DST``: the floor; and ``cp -r`` followed by ``sync -f`` (a durable copy: Ravex
-  fsyncs what it writes, cp does not).
+- ``cp -r SRC DST``: the floor; ``dd bs=8M`` of every file (the same bytes through user space);
+  and ``cp -r`` followed by ``sync -f`` (a durable copy: Ravex fsyncs what it writes, cp does not).
+
+Ravex is pinned for the run: the installed packages are copied into the work dir at start and put
+first on PYTHONPATH for every command, so a reinstall by other work mid-run cannot mix builds.
 
 Method: warm page cache (the input was just written and is read once by the untimed warm-up run
 of every command; nothing is dropped from the cache); each command once untimed, then 3 timed
@@ -426,6 +429,13 @@ def machine() -> dict:
         except OSError:
             pass
     m["vm"] = vm
+    try:
+        with open("/proc/cmdline") as f:
+            cmdline = f.read()
+    except OSError:
+        cmdline = ""
+    m["firecracker"] = "firecracker" in cmdline
+    m["free_page_reporting"] = "page_reporting" in cmdline or os.path.isdir("/sys/bus/virtio/drivers/virtio_balloon")
     return m
 
 
@@ -576,6 +586,11 @@ def render(res: dict) -> str:
     L.append("  ```text")
     L += ["  " + x for x in mem]
     L.append("  ```")
+    if m.get("firecracker") or m.get("free_page_reporting"):
+        L.append("- A virtual machine" + (" (Firecracker microVM, from the kernel command line)" if m.get("firecracker") else "")
+                 + (" with virtio-balloon free page reporting: memory the guest frees (e.g. the page cache of a deleted "
+                    "output) is handed back to the host and must be faulted in again when next used" if m.get("free_page_reporting") else "")
+                 + ". The machine is shared with other work (see the noise note below).")
     L.append(f"- Disk: `{m['filesystem']}`; dirty page settings {m.get('vm')}")
     L.append(f"- Python {v.get('python')}, torch {v.get('torch')} (CPU use), DeepSpeed {v.get('deepspeed')}, "
              f"safetensors {v.get('safetensors')}, numpy {v.get('numpy')}; `{v.get('ravex')}` (git {v.get('git_head')}"
@@ -669,9 +684,18 @@ def render(res: dict) -> str:
     L.append("")
     L.append("## Observations")
     L.append("")
-    for o in res.get("observations", []) or auto_observations(res, checks):
+    L.append("Computed from this run's numbers:")
+    L.append("")
+    for o in auto_observations(res, checks):
         L.append(f"- {o}")
     L.append("")
+    if res.get("notes"):
+        L.append("Side tests, by hand, outside the timed run (same machine; `ravex` as installed in the venv at the time, "
+                 "which can be a later build than the pinned one measured above):")
+        L.append("")
+        for o in res["notes"]:
+            L.append(f"- {o}")
+        L.append("")
     return "\n".join(L)
 
 
@@ -717,8 +741,10 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
         text = (f"**Ravex against `cp -r`.** `--to safetensors` took {_rng(st)}x `cp -r` of the same input and "
                 f"`--to torch_save` {_rng(pt)}x. The comparison is steep by construction: `cp -r` (coreutils 9, "
                 "`copy_file_range`) copies page cache to page cache inside the kernel and returns with everything "
-                "still dirty in memory, while Ravex moves the bytes through user space (mmap'd input, positional writes) "
-                "and **fsyncs every output file and its directory before it returns**.")
+                "still dirty in memory (at 5 GB it crosses the kernel's dirty-page limit and starts paying for write-back "
+                "too, which is why the ratios are lower there), while Ravex starts Python, plans the layout, copies, "
+                "computes the zip CRC-32s for torch_save, and **fsyncs every output file and its directory before it "
+                "returns**, so its time includes the disk write.")
         if st_d and pt_d:
             text += (f" Against the durable copy (`cp -r && sync -f`) the ratios are {_rng(st_d)}x (safetensors) and "
                      f"{_rng(pt_d)}x (torch_save).")
@@ -735,10 +761,37 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
         if crc:
             text += f" The torch_save writer also read its output back for the zip CRC-32s ({_rng(crc)} s)."
         if dd:
-            text += (f" For scale, `dd` (read/write through user space, no rearranging) took {_rng(dd)}x `cp -r` here: "
-                     "the kernel-side copy is a floor no user-space copier reaches on this machine, and it varies a lot "
-                     "from run to run (page allocation for the new file's cache pages).")
+            text += (f" For scale, `dd` (the same bytes through user space with read/write) took {_rng(dd)}x `cp -r` here.")
         obs.append(text)
+    # missed reference speed-ups: was it contention?
+    for c in missed:
+        if not c["what"].endswith(tuple(f"/ {lab}" for lab in ("ravex convert --to safetensors", "ravex convert --to torch_save"))):
+            continue
+        size, kind = c["what"].split(" GB ")[0], c["what"].split(" GB ")[1].split(":")[0]
+        e = res["sizes"][size]["inputs"][kind]
+        ref_label, rv_label = c["what"].split(": ", 1)[1].split(" / ")
+        rk = next(k for k, v in e["cases"].items() if v["label"] == ref_label)
+        vk = next(k for k, v in e["cases"].items() if v["label"] == rv_label)
+        r, v = e["cases"][rk], e["cases"][vk]
+        obs.append(f"**{c['what']} = {c['value']}** (target {c['target']}): the three Ravex runs took "
+                   + ", ".join(f"{w:.2f} s" for w in v["wall"]) + " with other work keeping "
+                   + ", ".join(f"{x:.2f}" for x in v["other_cpu"]) + " CPUs busy; the reference runs took "
+                   + ", ".join(f"{w:.2f} s" for w in r["wall"]) + " with " + ", ".join(f"{x:.2f}" for x in r["other_cpu"])
+                   + f". Best run against best run: {min(r['wall']) / min(v['wall']):.2f}x."
+                   + (f" In the phase run, fsync took {e['phases'][vk]['fsync']:.2f} s of Ravex's {e['phases'][vk]['total']:.2f} s; "
+                      "the reference tool does not fsync what it writes." if "fsync" in e.get("phases", {}).get(vk, {}) else "")
+                   + " Ravex's two executor threads "
+                   "compete for the same 2 CPUs as the other work, so contention costs it more than the mostly single-threaded "
+                   "reference; a quieter machine would settle whether this one is a real miss.")
+    spreads = [(max(w) / min(w), f"{size} GB {kind}") for size, kind, e in inputs
+               for w in [e["cases"].get("dd", {}).get("wall", []) + ([e["cases"]["dd"]["warmup_wall"]] if e["cases"].get("dd", {}).get("warmup_wall") else [])]
+               if w]
+    if spreads and max(spreads)[0] > 1.5 and res.get("machine", {}).get("free_page_reporting"):
+        worst = max(spreads)
+        obs.append("**Writes are erratic on this VM**: with free page reporting, the page cache freed by deleting one "
+                   "output goes back to the host, and the next writer may have to fault it in again (kernel time). In this "
+                   f"run the slowest of the four `dd` runs of one input took up to {worst[0]:.1f}x its fastest ({worst[1]}), "
+                   "and the `dd` floor ranged from " + _rng(ratios("dd", "cp")) + "x `cp -r` from input to input.")
     ref = [(e["cases"][k]["label"], size, max(e["cases"][k]["peak_anon_kb"]) * 1024 / res["sizes"][size]["generated"][kind]["bytes"],
             max(e["cases"][k]["peak_anon_kb"]) / 1024)
            for size, kind, e in inputs for k in e["cases"] if e["cases"][k]["role"] == "ref" and e["cases"][k]["peak_anon_kb"]]
@@ -814,10 +867,16 @@ def main() -> None:
     ap.add_argument("--skip-fixtures", action="store_true", help="do not time ravex inspect of fixtures/data")
     ap.add_argument("--max-idle-wait", type=float, default=20.0, help="seconds to wait for idle CPUs before each timed run")
     ap.add_argument("--render", metavar="RESULTS_JSON", help="only rewrite the doc from saved results")
+    ap.add_argument("--note", action="append", default=[],
+                    help="with --render: add a note (a side test done by hand) to the results file and the doc; repeatable")
     a = ap.parse_args()
     if a.render:
         with open(a.render) as f:
             res = json.load(f)
+        if a.note:
+            res.setdefault("notes", []).extend(a.note)
+            with open(a.render, "w") as f:
+                json.dump(res, f, indent=1)
         with open(a.doc, "w") as f:
             f.write(render(res))
         print(text_table(HEAD, table_rows(res)))
