@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -153,9 +154,13 @@ def test_state_synthesized_for_a_non_deepspeed_source(tmp_path: Path) -> None:
 
 def test_deepspeed_source_state_carried(tmp_path: Path) -> None:
     _, meta = true_state("zero2_ws2_fp32")
-    result = write_zero("zero2_ws2_fp32", tmp_path / "out", 3, 3, tag="resharded")
+    # DeepSpeed puts its zero_to_fp32.py in the root (the fixtures leave it out): it is carried over
+    src = tmp_path / "src"
+    shutil.copytree(DATA / "zero2_ws2_fp32" / "checkpoint", src)
+    (src / "zero_to_fp32.py").write_text("# DeepSpeed's script would be here\n")
+    result = write_zero(read_checkpoint(src), tmp_path / "out", 3, 3, tag="resharded")
     assert (tmp_path / "out" / "latest").read_bytes() == b"resharded"
-    assert (tmp_path / "out" / "zero_to_fp32.py").read_bytes() == (DATA / "zero2_ws2_fp32" / "checkpoint" / "zero_to_fp32.py").read_bytes()
+    assert (tmp_path / "out" / "zero_to_fp32.py").read_bytes() == (src / "zero_to_fp32.py").read_bytes()
     assert "zero_to_fp32.py" in result["files"]
     back = zero.read(tmp_path / "out")
     prov = back.objects["zero"]
