@@ -244,11 +244,6 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def loadavg() -> list[str]:
-    with open("/proc/loadavg") as f:
-        return f.read().split()[:3]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=float, default=2.5, help="checkpoint size in GB (default 2.5)")
@@ -282,7 +277,7 @@ def main() -> None:
         R.rm(work)
     os.makedirs(work)
     res: dict = {"started": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size_gb": a.size, "runs": a.runs,
-                 "loadavg_start": loadavg(), "machine": R.machine(), "versions": R.versions(),
+                 "loadavg_start": R.loadavg(), "machine": R.machine(), "versions": R.versions(),
                  "inputs": {}, "gen": {}}
     logpath = os.path.join(work, "commands.log")
     with open(logpath, "ab") as logf:

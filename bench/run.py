@@ -405,6 +405,11 @@ def time_inspect(path: str, env: dict, logf) -> dict:
 # machine and versions
 
 
+def loadavg() -> list[str]:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
 def machine() -> dict:
     m: dict = {}
     with open("/proc/cpuinfo") as f:

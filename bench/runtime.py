@@ -245,11 +245,6 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def loadavg() -> list[str]:
-    with open("/proc/loadavg") as f:
-        return f.read().split()[:3]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=4096)
@@ -278,7 +273,7 @@ def main() -> None:
     work = os.path.abspath(a.workdir)
     R.rm(work)
     os.makedirs(work)
-    res: dict = {"started": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(a), "loadavg_start": loadavg(),
+    res: dict = {"started": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(a), "loadavg_start": R.loadavg(),
                  "machine": R.machine(), "versions": R.versions(), "on": [], "off": []}
     with open(os.path.join(work, "runs.log"), "ab") as logf:
         for i in range(a.repeats):

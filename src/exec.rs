@@ -529,11 +529,8 @@ fn run_piece(
     // Validated against the sizes before the first piece ran.
     let start = p.src_off as usize;
     let src = &sources[p.src].bytes()[start..start + p.src_bytes() as usize];
-    let write = |data: &[u8]| {
-        targets[p.dst]
-            .0
-            .write_all_at(data, p.dst_off)
-            .map_err(|e| Error::io("cannot write to target file", &paths[p.dst], e))?;
+    // The CRC-32 of bytes that now stand at the piece's target range.
+    let record = |data: &[u8]| {
         if let Some(crcs) = crcs {
             let crc = WrittenCrc {
                 target: p.dst,
@@ -543,6 +540,13 @@ fn run_piece(
             };
             crcs.lock().unwrap_or_else(|e| e.into_inner()).push(crc);
         }
+    };
+    let write = |data: &[u8]| {
+        targets[p.dst]
+            .0
+            .write_all_at(data, p.dst_off)
+            .map_err(|e| Error::io("cannot write to target file", &paths[p.dst], e))?;
+        record(data);
         Ok(())
     };
     if p.from == p.to {
@@ -558,15 +562,7 @@ fn run_piece(
             )
             .map_err(|e| Error::io("cannot write to target file", &paths[p.dst], e))?
             {
-                if let Some(crcs) = crcs {
-                    let crc = WrittenCrc {
-                        target: p.dst,
-                        offset: p.dst_off,
-                        len: src.len() as u64,
-                        crc: crc32fast::hash(src),
-                    };
-                    crcs.lock().unwrap_or_else(|e| e.into_inner()).push(crc);
-                }
+                record(src);
                 return Ok(());
             }
         }

@@ -176,9 +176,10 @@ def _display_name(t: DcpTensor) -> str:
     return "/".join(p)
 
 
-def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
+def describe(path: Path, reasons: list[str], meta: DcpMetadata | None = None) -> CheckpointInfo:
     root = path.parent if path.is_file() else path
-    meta = read_metadata(root)
+    if meta is None:
+        meta = read_metadata(root)
     sharded = any(len(t.chunks) > 1 for t in meta.tensors.values())
     info = CheckpointInfo("dcp", "sharded" if sharded else "unsharded", str(root), reasons=reasons)
     info.files = _check_files(root, meta)
@@ -245,7 +246,7 @@ def read(path: Path) -> Checkpoint:
     item; non-tensor items (param groups, user values) unpickled (restricted)."""
     root = path.parent if path.is_file() else path
     meta = read_metadata(root)
-    info = describe(path, [])
+    info = describe(path, [], meta)  # .metadata unpickled once
     ckpt = Checkpoint("dcp", root, world_size=info.world_size or 1, step=info.step)
     ckpt.source["metadata_form"] = info.extra["metadata_form"]
     for t in meta.tensors.values():

@@ -118,9 +118,10 @@ def _step(archive: TorchArchive, root: Any, optim: dict[str, Any] | None) -> int
     return None
 
 
-def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
+def describe(path: Path, reasons: list[str], archive: TorchArchive | None = None) -> CheckpointInfo:
     file = path if path.is_file() else _candidates(path)[0]
-    archive = open_archive(file)
+    if archive is None:
+        archive = open_archive(file)
     root = archive.root
     model_key, sd, optim_key, optim = find_model_and_optimizer(root)
     if sd is None:
@@ -247,8 +248,8 @@ def _param_names_by_order(sd: dict[str, TensorRef], aliases: dict[str, str], opt
 
 def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
     file = path if path.is_file() else _candidates(path)[0]
-    info = describe(path, [])
     archive = open_archive(file)
+    info = describe(path, [], archive)  # parsed once, described and read
     root = archive.root
     model_key, sd, optim_key, optim = find_model_and_optimizer(root)
     assert sd is not None  # describe() refused a file without one
