@@ -168,7 +168,7 @@ def render(res: dict) -> str:
         "",
         "## Machine and versions",
         "",
-        (f"- CPU: {m['cpu']}, {m['logical_cpus']} logical CPUs, **shared with other work** (load average at start: "
+        (f"- CPU: {m['cpu']}, {m['logical_cpus']} logical CPUs, which may be shared with other work (load average at start: "
         f"{res['loadavg_start']}; the other-load column is the CPUs other processes kept busy during each timed run)"),
         f"- memory: `{m['free'].splitlines()[1]}`",
         f"- disk: `{m['filesystem']}`; kernel {m['kernel']}",

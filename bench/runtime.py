@@ -193,8 +193,8 @@ def render(res: dict) -> str:
         "",
         "## Machine and versions",
         "",
-        (f"- CPU: {m['cpu']}, {m['logical_cpus']} logical CPUs, **shared with other work** (load average at start: "
-        f"{' '.join(res['loadavg_start'])}; other benchmarks were running; \"other load\" = CPUs kept busy by other processes)"),
+        (f"- CPU: {m['cpu']}, {m['logical_cpus']} logical CPUs, which may be shared with other work (load average at start: "
+        f"{' '.join(res['loadavg_start'])}; \"other load\" = CPUs kept busy by other processes during each run)"),
         f"- memory: `{m['free'].splitlines()[1]}`; disk: `{m['filesystem']}`",
         f"- Python {v.get('python')}, torch {v.get('torch')}, {v.get('ravex')}; git {v.get('git_head')}",
         "",

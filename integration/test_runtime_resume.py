@@ -230,7 +230,7 @@ def test_seeded_soak_killed_at_random_instants(tmp_path: Path) -> None:
     """Killed again and again at random instants once training is under way (during steps,
     collections, writes and commits: a checkpoint after every step), then left to finish."""
     opts = {"shuffle": True, "sched": True, "accum": 2, "sleep": 0.02}
-    env = {"RAVEX_MAX_STEPS": "40", "RAVEX_CHECKPOINT_EVERY": "1"}
+    env = {"RAVEX_MAX_STEPS": "80", "RAVEX_CHECKPOINT_EVERY": "1"}
     ref = start(tmp_path, opts, "ref", env)
     rng = random.Random(5)
     log = tmp_path / "log-kill.txt"

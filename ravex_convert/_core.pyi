@@ -57,13 +57,14 @@ def plan_runs(
     """
 
 def execute(
-    sources: Sequence[str | bytes],
+    sources: Sequence[str | bytes | memoryview],
     targets: Sequence[str],
     tensors: Sequence[_Tensor],
     threads: int = 0,
     window_bytes: int = 67108864,
     sync: bool = True,
     crc_ranges: Sequence[tuple[int, int, int]] | None = None,
+    writeback: bool = False,
 ) -> dict[str, Any]:
     """Copy every target chunk's elements from the source chunks.
 
@@ -71,7 +72,9 @@ def execute(
     has ``crcs``: each range's CRC-32 combined from the pieces written (None
     where this call's writes do not tile the range).
 
-    ``sources`` are files (mapped read-only) or ``bytes``; a source chunk's
+    ``sources`` are files (mapped read-only), ``bytes`` or other C-contiguous
+    byte buffers (a ``memoryview``; it must not change during the call),
+    read where they are without the GIL; a source chunk's
     file index points into them, a target chunk's into ``targets``. Targets
     must exist at their final size: nothing is created or truncated, only the
     target chunks' bytes are written (positional writes), each exactly once.
@@ -83,11 +86,15 @@ def execute(
     byte moves (file indices, regions, coverage, casts, chunk byte ranges
     against file sizes, overlapping target chunks).
 
+    With ``writeback``, each piece's write-back to disk starts as soon as it
+    is written (Linux ``sync_file_range``), so a caller's later fsync waits
+    for little: the disk works while the copy goes on.
+
     Returns ``{"bytes_read", "bytes_written", "runs", "pieces"}``.
     """
 
 def plan_summary(
-    sources: Sequence[str | bytes],
+    sources: Sequence[str | bytes | memoryview],
     targets: Sequence[str],
     tensors: Sequence[_Tensor],
     threads: int = 0,
@@ -109,8 +116,8 @@ def checksum_ranges(path: str, ranges: Sequence[tuple[int, int]], algo: Literal[
     of the file raises ``ValueError``.
     """
 
-def xxh3_64(data: bytes) -> int:
-    """XXH3 64-bit (seed 0) of ``data``."""
+def xxh3_64(data: bytes | memoryview) -> int:
+    """XXH3 64-bit (seed 0) of ``data`` (bytes or a C-contiguous byte buffer, unchanged during the call)."""
 
 def compress_range(path: str, offset: int, length: int, level: int = 3) -> bytes:
     """``length`` bytes at ``offset`` of the file, compressed into one independent zstd frame."""
@@ -122,7 +129,7 @@ def decompress_frame(path: str, offset: int, stored_len: int, expected_len: int)
     """
 
 def compare(
-    sources: Sequence[str | bytes],
+    sources: Sequence[str | bytes | memoryview],
     shape: Sequence[int],
     a_chunks: Sequence[_FileChunk],
     b_chunks: Sequence[_FileChunk],

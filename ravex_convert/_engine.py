@@ -17,14 +17,14 @@ from ._output import fsync_dir
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
 
-__all__ = ["CopyJob", "SourceTable", "Target", "core_region", "source_bytes"]
+__all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "core_region", "flat_range", "page_residue", "source_bytes", "vote_residue"]
 
 
 def core_region(region: Region) -> tuple[Any, ...]:
     return region.to_core()
 
 
-def source_bytes(chunk: Chunk) -> bytes | None:
+def source_bytes(chunk: Chunk) -> bytes | memoryview | None:
     """Inline or decompressed bytes of a chunk the executor cannot map directly."""
     if chunk.data is not None:
         return chunk.data
@@ -49,7 +49,7 @@ class SourceTable:
     """The sources of one executor call: file paths (each listed once) and
     inline byte strings, and each chunk as the executor's tuple."""
 
-    sources: list[str | bytes] = field(default_factory=list)
+    sources: list[str | bytes | memoryview] = field(default_factory=list)
     _paths: dict[str, int] = field(default_factory=dict)
 
     def chunk(self, c: Chunk) -> tuple[Any, ...]:
@@ -83,7 +83,7 @@ class CopyJob:
     crcs: list[int] = field(default_factory=list)  # of crc_ranges, after run()
 
     @property
-    def sources(self) -> list[str | bytes]:
+    def sources(self) -> list[str | bytes | memoryview]:
         return self.table.sources
 
     def target(self, path: Path) -> int:
@@ -96,11 +96,13 @@ class CopyJob:
         self.tensors.append((list(tensor.shape), src, dst))
 
     def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20,
-            crc_ranges: list[tuple[int, int, int]] | None = None) -> dict[str, int]:
+            crc_ranges: list[tuple[int, int, int]] | None = None, threads: int = 0, writeback: bool = True) -> dict[str, int]:
         """Execute in batches of about ``batch_bytes`` so a progress bar can move.
         With ``crc_ranges`` (target, offset, length), ``self.crcs`` gets each
         range's CRC-32, gathered while copying (a zip entry's CRC without
-        reading the output again)."""
+        reading the output again). With ``writeback`` (the default: every
+        writer fsyncs its files before it commits) the disk starts writing each
+        piece as soon as it is copied, so that fsync waits for little."""
         totals: dict[str, int] = {}
         found: list[int | None] = [None] * len(crc_ranges or [])
         batch: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = []
@@ -111,7 +113,7 @@ class CopyJob:
             if not batch:
                 return
             try:
-                stats = _core.execute(self.sources, self.targets, batch, sync=False, crc_ranges=crc_ranges)
+                stats = _core.execute(self.sources, self.targets, batch, threads=threads, sync=False, crc_ranges=crc_ranges, writeback=writeback)
             except OSError as exc:
                 raise RavexError(f"writing failed: {exc}", hint="check free space and permissions at the destination") from None
             except ValueError as exc:
@@ -151,6 +153,61 @@ class CopyJob:
             for i, v in zip(idx, values):
                 found[i] = v
         return [int(c) for c in found if c is not None]
+
+
+def flat_range(region: Region, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(first element, count) when the region's elements are one contiguous run of the row-major tensor."""
+    if isinstance(region, Flat):
+        return region.start, region.length
+    offs, sizes = region.offsets, region.sizes
+    if len(sizes) != len(shape) or _prod(sizes) == 0:
+        return None
+    d = next((j for j, s in enumerate(sizes) if s != 1), len(sizes))
+    if any(sizes[j] != shape[j] for j in range(d + 1, len(shape))):
+        return None
+    start, stride = 0, 1
+    for j in reversed(range(len(shape))):
+        start += offs[j] * stride
+        stride *= shape[j]
+    return start, _prod(sizes)
+
+
+PAGE = 4096
+
+
+def page_residue(tensor: LogicalTensor, region: Region, dtype: str) -> tuple[int, int] | None:
+    """Where, modulo the page size, a target holding ``region`` of ``tensor`` in
+    ``dtype`` should start so that its bytes sit at the same offset within a page
+    as in the source file that holds most of them, and how many bytes that is.
+
+    The kernel copies between files (copy_file_range) page to page at memory
+    speed when source and target offsets agree modulo the page size, and about
+    2.5 times slower when they do not; zip-based writers pad their records to
+    the residue this returns. None when no same-dtype, uncompressed file chunk
+    holds a contiguous part of the region (a cast, or inline data)."""
+    want = flat_range(region, tensor.shape)
+    if want is None:
+        return None
+    best: tuple[int, int] | None = None
+    size = itemsize(dtype)
+    for c in tensor.chunks:
+        if c.file is None or c.compression is not None or c.dtype != dtype:
+            continue
+        have = flat_range(c.region, tensor.shape)
+        if have is None:
+            continue
+        overlap = min(want[0] + want[1], have[0] + have[1]) - max(want[0], have[0])
+        if overlap > 0 and (best is None or overlap * size > best[1]):
+            best = ((c.offset + (want[0] - have[0]) * size) % PAGE, overlap * size)
+    return best
+
+
+def vote_residue(votes: list[tuple[int, int]]) -> int | None:
+    """The residue with the most bytes behind it (``(residue, bytes)`` votes)."""
+    weight: dict[int, int] = {}
+    for r, n in votes:
+        weight[r] = weight.get(r, 0) + n
+    return max(weight, key=lambda r: (weight[r], -r)) if weight else None
 
 
 def _prod(xs: Any) -> int:

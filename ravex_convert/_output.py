@@ -34,6 +34,7 @@ class Options:
     max_shard_size: int | None = None  # safetensors: bytes per shard
     compression: str | None = None  # native: None or "zstd"
     world_size: int = 1
+    threads: int = 0  # copy threads (0: one per CPU); the runtime's background writer uses 1
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in FLOAT_DTYPES:

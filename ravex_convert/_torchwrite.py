@@ -22,7 +22,7 @@ from typing import Any
 from ._unpickle import DType
 from .errors import RavexError
 
-__all__ = ["STORAGE_TYPES", "PickleObject", "StorageOut", "TensorOut", "ZipLayout", "dumps"]
+__all__ = ["STORAGE_TYPES", "PickleDict", "PickleGlobal", "PickleObject", "StorageOut", "TensorOut", "ZipLayout", "dumps"]
 
 STORAGE_TYPES = {
     "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
@@ -58,8 +58,24 @@ class PickleObject:
     module: str
     name: str
     args: tuple[Any, ...] = ()
-    state: dict[str, Any] | None = None
+    state: dict[str, Any] | tuple[Any, ...] | None = None  # BUILD's argument: __dict__ or __setstate__'s
     newobj: bool = False
+
+
+@dataclass(frozen=True)
+class PickleGlobal:
+    """A module-level object referenced by name (``torch.strided``), written as ``GLOBAL``."""
+
+    module: str
+    name: str
+
+
+@dataclass(frozen=True)
+class PickleDict:
+    """A dict whose keys are objects Python cannot hash here (``PickleObject``\\ s
+    with state): its ``(key, value)`` pairs, pickled as a dict."""
+
+    items: tuple[tuple[Any, Any], ...]
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -137,6 +153,16 @@ class _Pickler:
             self.global_("torch", v.name)
         elif isinstance(v, TensorOut):
             self.tensor(v)
+        elif isinstance(v, PickleGlobal):
+            self.global_(v.module, v.name)
+        elif isinstance(v, PickleDict):
+            w(b"}")
+            if v.items:
+                w(b"(")
+                for i, (k, x) in enumerate(v.items):
+                    self.save(k, f"{path}<key {i}>")
+                    self.save(x, f"{path}[{i}]")
+                w(b"u")
         elif isinstance(v, PickleObject):
             self.global_(v.module, v.name)
             self.save(tuple(v.args), f"{path}<args>")
@@ -180,6 +206,7 @@ def dumps(obj: Any) -> bytes:
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _ALIGN = 64
+_PAGE = 4096
 
 
 @dataclass
@@ -195,17 +222,28 @@ class _Entry:
 
 @dataclass
 class ZipLayout:
-    """An uncompressed zip64 archive planned before any byte is written."""
+    """An uncompressed zip64 archive planned before any byte is written.
+
+    Records are 64-byte aligned within the archive, as torch.save aligns them.
+    A record given a ``residue`` is padded further so that its data starts at
+    that offset modulo 4096 in the file (the archive starts ``base`` bytes into
+    it): the page offset its source bytes have, so the kernel copies whole
+    pages (``_engine.page_residue``). A residue that would break the 64-byte
+    alignment is ignored."""
 
     prefix: str
     entries: list[_Entry] = field(default_factory=list)
     size: int = 0
+    base: int = 0
 
-    def add(self, name: str, size: int, data: bytes | None = None) -> _Entry:
+    def add(self, name: str, size: int, data: bytes | None = None, residue: int | None = None) -> _Entry:
         e = _Entry(f"{self.prefix}/{name}".encode(), size, data=data)
         e.header_offset = self.size
         base = e.header_offset + _LOCAL.size + len(e.name) + 20  # 20: the zip64 extra field
-        pad = (-(base + 4)) % _ALIGN  # + 4: the padding field's own header
+        if residue is not None and (residue - self.base) % _ALIGN == 0:
+            pad = (residue - (self.base + base + 4)) % _PAGE
+        else:
+            pad = (-(base + 4)) % _ALIGN  # + 4: the padding field's own header
         e.extra_len = 20 + 4 + pad
         e.data_offset = e.header_offset + _LOCAL.size + len(e.name) + e.extra_len
         self.size = e.data_offset + size

@@ -98,14 +98,16 @@ class Chunk:
     ``file`` + ``offset``: the absolute byte offset of the region's first
     element; the region's elements follow contiguously in ``dtype``. Small
     values that exist in no file range (a step counter held as a Python int
-    in a pickle) are carried inline in ``data`` with ``file`` None.
+    in a pickle) are carried inline in ``data`` with ``file`` None; so are the
+    runtime's snapshot copies, as memoryviews of their tensors' bytes (read in
+    place, never copied again).
     """
 
     region: Region
     dtype: str
     file: Path | None = None
     offset: int = 0
-    data: bytes | None = None
+    data: bytes | memoryview | None = None
     compression: str | None = None  # "zstd": ``offset`` is a frame of ``stored_nbytes`` bytes
     stored_nbytes: int | None = None
     checksum: str | None = None  # "xxh3-64:<hex>" of the uncompressed bytes, when the format records one

@@ -13,6 +13,7 @@ import fcntl
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -59,6 +60,23 @@ def _after_fork_child() -> None:
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
 _WARN_AFTER_STEPS = 3
+# The background writer copies with one thread and at a lower CPU priority (nice +10, Linux: per
+# thread), so that training, which owns the other cores, is not slowed by its own checkpoints.
+WRITER_THREADS = 1
+WRITER_NICE = 10
+
+
+def _background_priority() -> None:
+    """Lower the calling thread's priority (threads it starts inherit it); best effort."""
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    if sys.platform != "linux":  # elsewhere PRIO_PROCESS with a thread id would renice the process
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE)
+    except OSError:
+        pass
 
 
 class StopRun(BaseException):
@@ -108,6 +126,9 @@ class Runtime:
         self._writer: threading.Thread | None = None
         self._lock_fd: int | None = None
         self._store_lock = threading.Lock()
+        # Buffers of the last snapshot written, reused by the next collection (Snapshot.spare).
+        self._spare: dict[str, torch.Tensor] = {}
+        self._spare_lock = threading.Lock()
 
     # ------------------------------------------------------------ start and stop
 
@@ -210,6 +231,8 @@ class Runtime:
             h.remove()
         self.hooks.clear()
         self.held = []
+        with self._spare_lock:
+            self._spare = {}
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -373,7 +396,9 @@ class Runtime:
             return
         if self.last_step_written == self.step and final:
             return
-        snap = Snapshot(step=self.step)
+        with self._spare_lock:
+            spare, self._spare = self._spare, {}
+        snap = Snapshot(step=self.step, spare=spare)
         roots = self._roots()
         for i, m in enumerate(roots):
             for k, v in m.state_dict().items():
@@ -400,6 +425,7 @@ class Runtime:
         snap.objects["step"] = self.step
         snap.objects["extra"] = {"ravex_run_id": self.run_id}
         self.last_step_written = self.step
+        snap.spare = {}  # buffers of tensors that are gone: let them go
         self._queue.put(snap)
 
     def _capture_optimizer(self, snap: Snapshot, opt: Any, names: dict[int, str]) -> dict[str, Any]:
@@ -424,6 +450,7 @@ class Runtime:
     # ------------------------------------------------------------ writing
 
     def _write_loop(self) -> None:
+        _background_priority()
         while True:
             snap = self._queue.get()
             try:
@@ -435,6 +462,9 @@ class Runtime:
                 log.error("ravex: writing the checkpoint of step %d to %s failed: %s", snap.step if snap else -1, self.store, exc)
                 self.disable(f"checkpoint write failed: {exc}")
             finally:
+                if snap is not None and self.active:
+                    with self._spare_lock:
+                        self._spare = snap.tensors  # written (or failed): the next collection may overwrite them
                 self._queue.task_done()
 
     def _write(self, snap: Snapshot) -> None:
@@ -446,7 +476,7 @@ class Runtime:
             with self._store_lock:
                 self._write_torch_save(ckpt)
             return
-        opts = Options(compression=None if self.cfg.compression == "none" else self.cfg.compression)
+        opts = Options(compression=None if self.cfg.compression == "none" else self.cfg.compression, threads=WRITER_THREADS)
         with self._store_lock:
             result = native_write.write(ckpt, self.store, opts, run_id=self.run_id.replace(".", "-"))
             for w in result.get("warnings", []):
@@ -465,7 +495,7 @@ class Runtime:
 
         files = torch_save_files(self.store)
         index = max(files, default=-1) + 1
-        torch_save.write(ckpt, self.store / f"ckpt-{index:08d}.pt", Options())
+        torch_save.write(ckpt, self.store / f"ckpt-{index:08d}.pt", Options(threads=WRITER_THREADS))
         self.last_index = index
         self.writes += 1
         if self.cfg.keep_last is not None:

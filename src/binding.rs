@@ -9,6 +9,7 @@
 
 use std::path::PathBuf;
 
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
@@ -182,21 +183,79 @@ fn list<'py>(obj: &Bound<'py, PyAny>, what: &str, of: &str) -> PyResult<Vec<Boun
     })
 }
 
-/// Sources: `bytes` are read where they are (no copy), anything else is a
-/// path. `items` must outlive the returned sources.
-fn sources_arg<'a>(items: &'a [Bound<'_, PyAny>]) -> PyResult<Vec<Source<'a>>> {
+/// `x` as a C-contiguous buffer of bytes (a memoryview of a tensor's storage),
+/// or `None` when it exports no such buffer.
+fn byte_buffer(x: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<PyBuffer<u8>>> {
+    let Ok(buf) = PyBuffer::<u8>::get(x) else {
+        return Ok(None);
+    };
+    if !buf.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "{what}: the buffer is not C-contiguous"
+        )));
+    }
+    Ok(Some(buf))
+}
+
+/// Inline sources that are not `bytes` but another byte buffer: held for the
+/// whole call so the executor can read them without the GIL. `None` for bytes
+/// and paths.
+fn held_buffers(items: &[Bound<'_, PyAny>]) -> PyResult<Vec<Option<PyBuffer<u8>>>> {
     items
         .iter()
         .enumerate()
-        .map(|(i, x)| match x.cast::<PyBytes>() {
-            // bytes are immutable, so reading them without the GIL is safe.
-            Ok(b) => Ok(Source::Bytes(b.as_bytes())),
-            Err(_) => x.extract::<PathBuf>().map(Source::Path).map_err(|_| {
+        .map(|(i, x)| {
+            if x.is_instance_of::<PyBytes>() || x.extract::<PathBuf>().is_ok() {
+                return Ok(None);
+            }
+            let what = format!("sources[{i}]");
+            byte_buffer(x, &what)?.map(Some).ok_or_else(|| {
                 PyValueError::new_err(format!(
-                    "sources[{i}] must be a path (str) or bytes, got {}",
+                    "{what} must be a path (str), bytes or a buffer of unsigned bytes, got {}",
                     show(x)
                 ))
-            }),
+            })
+        })
+        .collect()
+}
+
+/// The bytes a held buffer exposes.
+fn buffer_bytes(buf: &PyBuffer<u8>) -> &[u8] {
+    let len = buf.len_bytes();
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: the buffer is C-contiguous, `len` bytes long and stays exported
+    // (its memory valid) while `buf` lives. The caller promises not to change
+    // it during the call (the runtime hands over snapshot copies).
+    unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, len) }
+}
+
+/// Sources: `bytes` and other byte buffers are read where they are (no
+/// copy), anything else is a path. `items` and `held` must outlive the
+/// returned sources.
+fn sources_arg<'a>(
+    items: &'a [Bound<'_, PyAny>],
+    held: &'a [Option<PyBuffer<u8>>],
+) -> PyResult<Vec<Source<'a>>> {
+    items
+        .iter()
+        .zip(held)
+        .enumerate()
+        .map(|(i, (x, buf))| {
+            if let Some(buf) = buf {
+                return Ok(Source::Bytes(buffer_bytes(buf)));
+            }
+            match x.cast::<PyBytes>() {
+                // bytes are immutable, so reading them without the GIL is safe.
+                Ok(b) => Ok(Source::Bytes(b.as_bytes())),
+                Err(_) => x.extract::<PathBuf>().map(Source::Path).map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "sources[{i}] must be a path (str), bytes or a buffer of unsigned bytes, got {}",
+                        show(x)
+                    ))
+                }),
+            }
         })
         .collect()
 }
@@ -295,8 +354,10 @@ const _: () = assert!(DEFAULT_WINDOW_BYTES == 67108864);
 /// `crc_ranges` (`(target index, offset, length)` tuples) it also returns
 /// `crcs`: the CRC-32 of each range, gathered while copying (None where the
 /// job's writes do not tile the range), so zip writers need no second pass.
+/// `writeback` starts each piece's write-back to disk as soon as it is
+/// written, for callers that fsync the targets afterwards themselves.
 #[pyfunction]
-#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true, crc_ranges=None))]
+#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true, crc_ranges=None, writeback=false))]
 #[allow(clippy::too_many_arguments)]
 fn execute<'py>(
     py: Python<'py>,
@@ -307,15 +368,18 @@ fn execute<'py>(
     window_bytes: i64,
     sync: bool,
     crc_ranges: Option<&Bound<'py, PyAny>>,
+    writeback: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = Options {
         threads: checked(threads, "threads")? as usize,
         window_bytes: checked(window_bytes, "window_bytes")?,
         sync,
+        writeback,
     };
     let items = list(sources, "sources", "paths or bytes")?;
+    let held = held_buffers(&items)?;
     let job = Job {
-        sources: sources_arg(&items)?,
+        sources: sources_arg(&items, &held)?,
         targets: targets_arg(targets)?,
         tensors: tensors_arg(tensors)?,
     };
@@ -372,10 +436,12 @@ fn plan_summary<'py>(
         threads: checked(threads, "threads")? as usize,
         window_bytes: checked(window_bytes, "window_bytes")?,
         sync: false,
+        writeback: false,
     };
     let items = list(sources, "sources", "paths or bytes")?;
+    let held = held_buffers(&items)?;
     let job = Job {
-        sources: sources_arg(&items)?,
+        sources: sources_arg(&items, &held)?,
         targets: targets_arg(targets)?,
         tensors: tensors_arg(tensors)?,
     };
@@ -418,11 +484,22 @@ fn checksum_ranges(
         .map_err(py_err)
 }
 
-/// XXH3-64 (seed 0) of the bytes.
+/// XXH3-64 (seed 0) of the bytes (`bytes` or any C-contiguous byte buffer,
+/// which must not change during the call).
 #[pyfunction]
-fn xxh3_64(py: Python<'_>, data: &Bound<'_, PyBytes>) -> u64 {
-    let bytes = data.as_bytes();
-    py.detach(|| xxh3_64_bytes(bytes))
+fn xxh3_64(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(b) = data.cast::<PyBytes>() {
+        let bytes = b.as_bytes();
+        return Ok(py.detach(|| xxh3_64_bytes(bytes)));
+    }
+    let Some(buf) = byte_buffer(data, "data")? else {
+        return Err(PyValueError::new_err(format!(
+            "data must be bytes or a buffer of unsigned bytes, got {}",
+            show(data)
+        )));
+    };
+    let bytes = buffer_bytes(&buf);
+    Ok(py.detach(|| xxh3_64_bytes(bytes)))
 }
 
 /// `length` bytes at `offset` of the file, compressed into one zstd frame.
@@ -486,7 +563,8 @@ fn compare<'py>(
     exact: bool,
 ) -> PyResult<(u64, Option<u64>, f64)> {
     let items = list(sources, "sources", "paths or bytes")?;
-    let sources = sources_arg(&items)?;
+    let held = held_buffers(&items)?;
+    let sources = sources_arg(&items, &held)?;
     let shape = non_negative_ints(shape, "shape")?;
     let a = file_chunks(a_chunks, "a_chunks")?;
     let b = file_chunks(b_chunks, "b_chunks")?;

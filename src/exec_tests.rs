@@ -128,6 +128,7 @@ fn options(threads: usize, window_bytes: u64) -> Options {
         threads,
         window_bytes,
         sync: false,
+        writeback: false,
     }
 }
 
@@ -525,4 +526,69 @@ fn crcs_of_ranges_not_tiled_are_none() {
         combine_crcs(pieces, &[(0, 0, 8)]),
         vec![Some(crc32fast::hash(b"abcdefgh"))]
     );
+}
+
+/// Same-dtype file-to-file pieces go through copy_file_range when source and
+/// target agree modulo the page size, through a read into the thread's buffer
+/// when they do not; both land the same bytes, across many pages and pieces,
+/// with and without early write-back.
+#[test]
+fn same_dtype_copies_at_matching_and_mismatched_page_offsets() {
+    let dir = TempDir::new().unwrap();
+    let n: u64 = 300_000; // f32 elements: 1.2 MB, many pages, several pieces per window
+    let data: Vec<u8> = (0..n)
+        .flat_map(|i| ((i * 2654435761) as f32).to_le_bytes())
+        .collect();
+    let src_off = 4096 * 3 + 64;
+    let mut file = vec![0u8; src_off as usize];
+    file.extend_from_slice(&data);
+    let sources = write_data(dir.path(), "src", &[file]);
+    for (dst_off, writeback) in [
+        (src_off, false),
+        (src_off + 4096, true),
+        (100, false),
+        (4097, true),
+    ] {
+        let targets = blank(
+            dir.path(),
+            &format!("dst{dst_off}-"),
+            &[dst_off + n * 4 + 5],
+        );
+        let chunk = |file, offset| ChunkRef {
+            file,
+            offset,
+            region: Region::Flat { start: 0, len: n },
+            dtype: DType::F32,
+        };
+        let job = Job {
+            sources: paths(&sources),
+            targets: targets.clone(),
+            tensors: vec![TensorJob {
+                shape: vec![n],
+                src_chunks: vec![chunk(0, src_off)],
+                dst_chunks: vec![chunk(0, dst_off)],
+            }],
+        };
+        let opts = Options {
+            writeback,
+            ..options(2, 256 << 10)
+        };
+        execute(&job, &opts).unwrap();
+        let out = fs::read(&targets[0]).unwrap();
+        assert!(
+            out[..dst_off as usize].iter().all(|&b| b == SENTINEL),
+            "{dst_off}"
+        );
+        assert_eq!(
+            &out[dst_off as usize..(dst_off + n * 4) as usize],
+            &data[..],
+            "{dst_off}"
+        );
+        assert!(
+            out[(dst_off + n * 4) as usize..]
+                .iter()
+                .all(|&b| b == SENTINEL),
+            "{dst_off}"
+        );
+    }
 }

@@ -30,6 +30,15 @@ def run_ravex(*args: str | os.PathLike[str], cwd: Path | None = None) -> subproc
     return subprocess.run([ravex_bin(), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env, timeout=120, check=False)
 
 
+def run_without_torch(code: str, *args: str) -> str:
+    """Run ``code`` in a fresh interpreter, fail if it imported torch; its stdout."""
+    code += "\nimport sys as _s\nassert 'torch' not in _s.modules, 'torch was imported'\n"
+    # -P: keep the working directory (the source tree, without the compiled core) off sys.path
+    res = subprocess.run([sys.executable, "-P", "-c", code, *args], capture_output=True, text=True, env=dict(os.environ), timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
 def inspect_json(path: Path, *extra: str) -> dict[str, Any]:
     res = run_ravex("inspect", path, "--json", *extra)
     assert res.returncode == 0, res.stderr

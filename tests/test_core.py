@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import array
+from pathlib import Path
+
 import pytest
 
 from ravex_convert import _core
@@ -31,3 +34,35 @@ def test_every_target_element_written_once() -> None:
 def test_uncovered_target_is_an_error() -> None:
     with pytest.raises(ValueError, match="in no source chunk"):
         _core.plan_runs([10], [("flat", 0, 5)], [("flat", 0, 10)])
+
+
+def test_execute_reads_byte_buffers_in_place(tmp_path: Path) -> None:
+    # The runtime hands snapshot tensors over as memoryviews: the bytes land as they are,
+    # cast where asked, and hash the same as the bytes object would.
+    values = array.array("f", [1.5, -2.25, 3.0, 1e-3, 7.0, -0.0])
+    raw = values.tobytes()
+    view = memoryview(bytearray(raw))
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"\0" * (len(raw) + 12))
+    tensor = ([6], [(0, 0, ("flat", 0, 6), "float32")], [(0, 0, ("flat", 0, 6), "float32")])
+    cast = ([6], [(1, 0, ("flat", 0, 6), "float32")], [(0, len(raw), ("flat", 0, 6), "bfloat16")])
+    stats = _core.execute([view, raw], [str(target)], [tensor, cast], threads=1, sync=False)
+    assert stats["bytes_written"] == len(raw) + 12
+    out = target.read_bytes()
+    assert out[:len(raw)] == raw
+    # bfloat16 = the top half of each float32 here (these values need no rounding)
+    assert out[len(raw):] == b"".join(raw[i + 2:i + 4] for i in range(0, len(raw), 4))
+    assert _core.xxh3_64(view) == _core.xxh3_64(raw)
+
+
+def test_execute_refuses_buffers_it_cannot_read_in_place(tmp_path: Path) -> None:
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"\0" * 8)
+    tensor = ([2], [(0, 0, ("flat", 0, 2), "float32")], [(0, 0, ("flat", 0, 2), "float32")])
+    strided = memoryview(bytearray(16))[::2]
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        _core.execute([strided], [str(target)], [tensor])
+    with pytest.raises(ValueError, match=r"sources\[0\] must be a path \(str\), bytes or a buffer"):
+        _core.execute([3.5], [str(target)], [tensor])
+    with pytest.raises(ValueError, match="must be bytes or a buffer"):
+        _core.xxh3_64(7)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import DATA, FIXTURES
+from conftest import DATA, FIXTURES, run_without_torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -406,3 +406,54 @@ def test_true_state_files_are_what_the_tests_assume() -> None:
         assert {"model/embed.weight", "model/head.weight"} <= keys
         assert f.get_tensor("model/embed.weight").dtype == torch.float32
     assert math.prod(M.build_model().logit_gain.shape) == 1
+
+
+def _torch_metadata(plan: Any, form: str, save_id: str) -> Metadata:
+    """The oracle: the same .metadata built from torch's own classes (what the writer did before it
+    stopped importing torch), to compare with what it now writes by name."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, StorageMeta
+
+    sd: dict[str, Any] = {}
+    planner: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for key, path, value in plan.flat:
+        planner[key] = path
+        items = plan.by_key[key]
+        if isinstance(value, dcp_write._Leaf):
+            props = TensorProperties(dtype=getattr(torch, value.dtype))
+            props.strides = dcp_write._strides(value.shape) if form == "current" else None
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(it.box.offsets), sizes=torch.Size(it.box.sizes)) for it in items if it.box]
+            sd[key] = TensorStorageMetadata(properties=props, size=torch.Size(value.shape), chunks=chunks)
+            for it in items:
+                storage[MetadataIndex(key, it.box.offsets if it.box else (), it.index)] = _StorageInfo(f"__{it.rank}_0.distcp", it.file_offset, it.layout.total)
+        else:
+            sd[key] = BytesStorageMetadata()
+            it = items[0]
+            storage[MetadataIndex(key)] = _StorageInfo(f"__{it.rank}_0.distcp", it.file_offset, it.layout.total)
+    return Metadata(state_dict_metadata=sd, planner_data=planner, storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id), version="1.0.0")
+
+
+@pytest.mark.parametrize("form", ["current", "compat"])
+@pytest.mark.parametrize("name", ["zero3_ws3_bf16", "fsdp2_ws2"])
+def test_metadata_written_without_torch_is_what_torch_classes_pickle(name: str, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uuid
+
+    fixed = uuid.UUID(int=7)
+    monkeypatch.setattr(dcp_write.uuid, "uuid4", lambda: fixed)
+    plan = dcp_write._plan(read_checkpoint(DATA / name / "checkpoint"), Options(world_size=3))
+    mine = pickle.loads(dcp_write._metadata(plan, form))
+    # what torch's own pickling of those objects gives back (_StorageInfo drops its None fields)
+    want = pickle.loads(pickle.dumps(_torch_metadata(plan, form, str(fixed)), protocol=4))
+    assert mine == want
+    # what == leaves out: MetadataIndex.index, and each instance dict's fields in order
+    assert [list(vars(k).items()) for k in mine.storage_data] == [list(vars(k).items()) for k in want.storage_data]
+    assert [list(vars(v).items()) for v in mine.storage_data.values()] == [list(vars(v).items()) for v in want.storage_data.values()]
+    assert list(vars(mine).items()) == list(vars(want).items())
+
+
+def test_writing_dcp_does_not_import_torch(tmp_path: Path) -> None:
+    run_without_torch("import sys; from ravex_convert import convert; convert(sys.argv[1], sys.argv[2], to='dcp', world_size=3)",
+                      str(DATA / "zero2_ws2_fp32" / "checkpoint"), str(tmp_path / "out"))
+    assert (tmp_path / "out" / ".metadata").is_file()

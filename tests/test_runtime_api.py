@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ravex
+import ravex_convert
 from ravex_convert.errors import RavexError
 from ravex_runtime.patches import patched_targets
 from ravex_runtime.status import store_status
@@ -357,3 +358,44 @@ def test_a_step_the_grad_scaler_skips_is_not_counted(env: Path) -> None:
 
     run()
     assert counted == [0, 1]
+
+
+def test_every_checkpoint_holds_its_own_step_although_snapshot_buffers_are_reused(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Collections copy into the buffers of the snapshot written before (no fresh allocation);
+    # each checkpoint must still hold the weights of its own step, never a later or earlier one.
+    monkeypatch.setenv("RAVEX_CHECKPOINT_EVERY", "1")
+    expected: dict[int, torch.Tensor] = {}
+    buffers: list[int] = []
+    from ravex_runtime import runtime as rtmod
+
+    real_put = rtmod.queue.Queue.put
+
+    def watch(q: Any, item: Any, *a: Any, **k: Any) -> None:
+        if item is not None:
+            buffers.append(item.tensors["model/weight"].data_ptr())
+        real_put(q, item, *a, **k)
+
+    monkeypatch.setattr(rtmod.queue.Queue, "put", watch)
+
+    @ravex.train_loop
+    def run() -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(6):
+            ravex.batch_boundary()
+            expected[ravex.step()] = model.weight.detach().clone()
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ravex.flush()  # the writer is done: the next collection reuses its buffers
+
+    run()
+    assert len(set(buffers)) < len(buffers), "no snapshot buffer was ever reused"
+    checked = 0
+    for c in store_status(env)["checkpoints"]:
+        got = ravex_convert.load_state_dict(env, index=c["index"])["weight"]
+        if c["step"] in expected:
+            assert torch.equal(got, expected[c["step"]]), f"checkpoint of step {c['step']}"
+            checked += 1
+    assert checked >= 5

@@ -20,8 +20,9 @@ world size, FSDP2 or a single process:
 Files: ``__<rank>_0.distcp`` per rank, each a gap-free run of items, every item a
 complete ``torch.save`` archive (laid out here and filled by the Rust executor, so
 tensor bytes are copied once, in parallel, and cast where ``--dtype`` asks);
-``.metadata`` last, the commit point, pickled from torch's own classes as
-``FileSystemWriter.finish`` does (``planner_data``: each key's real nesting;
+``.metadata`` last, the commit point: the pickle ``FileSystemWriter.finish`` writes,
+naming torch 2.15's classes without importing torch (a conversion never loads
+torch: it costs seconds and hundreds of MB) (``planner_data``: each key's real nesting;
 ``storage_data``: ``MetadataIndex(key, chunk offsets, chunk position)`` ->
 ``_StorageInfo(file, offset, length)``; for a non-tensor, ``MetadataIndex(key)``).
 
@@ -36,15 +37,15 @@ Metadata forms (``metadata_form``), and which torch reads each:
   the keys they flatten it to since 2.4). Checked with 2.15 itself and with the
   pre-2.15 ``__setstate__`` put back in its place (tests/test_dcp_write.py).
 
-The data files are the same bytes in both forms. Under a torch older than 2.15
-(no ``strides`` field) both forms come out as the five-field one.
+The data files are the same bytes in both forms, and neither depends on the torch
+installed where Ravex runs. The tests unpickle both with torch and compare them
+with the same metadata built from torch's own classes.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickle
 import struct
 import uuid
 import zlib
@@ -55,7 +56,7 @@ from typing import Any
 
 from .._engine import CopyJob, Target
 from .._output import Options, fsync_dir, out_dtype, staged
-from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
+from .._torchwrite import STORAGE_TYPES, PickleDict, PickleGlobal, PickleObject, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import RavexError
 from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize
 from .dcp import METADATA
@@ -206,7 +207,6 @@ class _ItemLayout(ZipLayout):
     ZipLayout's plan is kept and only the positional writes move by ``base``.
     The central directory and end records follow ZipLayout.finish byte for byte."""
 
-    base: int = 0
     data_entries: list[int] = field(default_factory=list)  # entries whose bytes the executor writes
 
     def directory(self) -> bytes:
@@ -349,68 +349,54 @@ def _plan(ckpt: Checkpoint, opts: Options) -> _Plan:
 # ---------------------------------------------------------------- .metadata
 
 
+_MD = "torch.distributed.checkpoint.metadata"
+
+
+def _dataclass(name: str, state: dict[str, Any] | None, module: str = _MD) -> PickleObject:
+    """A dataclass instance as pickle writes it: ``cls.__new__(cls)``, then its ``__dict__``."""
+    return PickleObject(module, name, (), state=state or None, newobj=True)
+
+
+def _size(dims: tuple[int, ...]) -> PickleObject:
+    return PickleObject("torch", "Size", (tuple(dims),))
+
+
 def _metadata(plan: _Plan, form: str) -> bytes:
-    """``.metadata`` as FileSystemWriter.finish pickles it, from torch's own classes."""
-    import dataclasses
-
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    has_strides = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
-    sd_meta: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    """``.metadata`` as ``FileSystemWriter.finish`` pickles torch 2.15's classes, written
+    without importing torch (the classes are named, never loaded): ``Metadata`` with
+    ``state_dict_metadata``, ``planner_data``, ``storage_data`` (``MetadataIndex`` ->
+    ``_StorageInfo``, which pickles without its None fields), ``storage_meta`` and
+    ``version``. ``TensorProperties`` pickles through its ``__getstate__``: dtype, layout,
+    requires_grad, the memory-format enum, pin_memory and (form "current") strides."""
+    sd_meta: dict[str, Any] = {}
     planner: dict[str, tuple[PathItem, ...]] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
+    storage: list[tuple[Any, Any]] = []
+
+    def info(it: _Item) -> PickleObject:
+        return _dataclass("_StorageInfo", {"relative_path": _file_name(it.rank), "offset": it.file_offset, "length": it.layout.total},
+                          module="torch.distributed.checkpoint.filesystem")
+
     for key, path, value in plan.flat:
         planner[key] = path
         items = plan.by_key[key]
         if isinstance(value, _Leaf):
-            props = TensorProperties(dtype=getattr(torch, value.dtype))
-            if has_strides:
-                props.strides = _strides(value.shape)  # the global tensor's, as DTensor.stride() gives
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(it.box.offsets), sizes=torch.Size(it.box.sizes)) for it in items if it.box]
-            sd_meta[key] = TensorStorageMetadata(properties=props, size=torch.Size(value.shape), chunks=chunks)
+            props: tuple[Any, ...] = (PickleGlobal("torch", value.dtype), PickleGlobal("torch", "strided"), False,
+                                      PickleObject(_MD, "_MEM_FORMAT_ENCODING", (0,)), False)
+            if form == "current":
+                props += (_strides(value.shape),)  # the global tensor's, as DTensor.stride() gives
+            chunks = [_dataclass("ChunkStorageMetadata", {"offsets": _size(it.box.offsets), "sizes": _size(it.box.sizes)})
+                      for it in items if it.box]
+            properties = PickleObject(_MD, "TensorProperties", (), state=props, newobj=True)
+            sd_meta[key] = _dataclass("TensorStorageMetadata", {"properties": properties, "size": _size(value.shape), "chunks": chunks})
             for it in items:
-                offsets = it.box.offsets if it.box else ()
-                storage[MetadataIndex(key, offsets, it.index)] = _StorageInfo(_file_name(it.rank), it.file_offset, it.layout.total)
+                index = {"fqn": key, "index": it.index, "offset": _size(it.box.offsets if it.box else ())}
+                storage.append((_dataclass("MetadataIndex", index), info(it)))
         else:
-            sd_meta[key] = BytesStorageMetadata()
-            it = items[0]
-            storage[MetadataIndex(key)] = _StorageInfo(_file_name(it.rank), it.file_offset, it.layout.total)
-    md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage)
-    names = {f.name for f in dataclasses.fields(Metadata)}
-    if "storage_meta" in names:
-        md.storage_meta = StorageMeta(checkpoint_id=None, save_id=str(uuid.uuid4()))
-    if "version" in names:
-        md.version = _DCP_VERSION
-    out = io.BytesIO()
-    pickler = _CompatPickler(out, protocol=4) if form == "compat" else pickle.Pickler(out, protocol=4)
-    pickler.dump(md)
-    return out.getvalue()
-
-
-class _CompatPickler(pickle.Pickler):
-    """Pickles ``TensorProperties`` with the five fields torch < 2.15 reads
-    (its ``__setstate__`` unpacks exactly five), the NEWOBJ + BUILD form that
-    torch's own pickling of the dataclass produces."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import TensorProperties
-
-        if type(obj) is TensorProperties:
-            # torch's own reduction (copyreg.__newobj__, (cls,), state), state cut to five
-            reduced = obj.__reduce_ex__(4)
-            if isinstance(reduced, tuple) and len(reduced) >= 3 and isinstance(reduced[2], tuple):
-                return (reduced[0], reduced[1], reduced[2][:5], *reduced[3:])
-        return NotImplemented
+            sd_meta[key] = _dataclass("BytesStorageMetadata", None)
+            storage.append((_dataclass("MetadataIndex", {"fqn": key, "index": None}), info(items[0])))
+    meta: dict[str, Any] = {"checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None, "modules": []}
+    return dumps(_dataclass("Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner, "storage_data": PickleDict(tuple(storage)),
+                                         "storage_meta": _dataclass("StorageMeta", meta), "version": _DCP_VERSION}))
 
 
 def _file_name(rank: int) -> str:

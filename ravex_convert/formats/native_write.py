@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import _core
-from .._engine import CopyJob, Target
+from .._engine import CopyJob, Target, flat_range
 from .._output import Options, fsync_dir, out_dtype
 from .._tagged import encode
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError
-from ..model import OBJ, Box, Checkpoint, Flat, LogicalTensor, Region, TensorLink, itemsize, numel
+from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, itemsize, numel
 from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, _load_json, read_manifest
 
 __all__ = ["SAFETENSORS_CODES", "prune", "write"]
@@ -389,35 +389,18 @@ def _source(ckpt: Checkpoint) -> dict[str, Any]:
 # ---------------------------------------------------------------- reusing unchanged chunks
 
 
-def _flat_range(region: Region, shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """(first element, count) when the region's elements are one contiguous run of the row-major tensor."""
-    if isinstance(region, Flat):
-        return region.start, region.length
-    offs, sizes = region.offsets, region.sizes
-    if len(sizes) != len(shape) or numel(sizes) == 0:
-        return None
-    d = next((j for j, s in enumerate(sizes) if s != 1), len(sizes))
-    if any(sizes[j] != shape[j] for j in range(d + 1, len(shape))):
-        return None
-    start, stride = 0, 1
-    for j in reversed(range(len(shape))):
-        start += offs[j] * stride
-        stride *= shape[j]
-    return start, numel(sizes)
-
-
-def _cheap_source(o: _Out) -> tuple[Path, int, int] | bytes | None:
+def _cheap_source(o: _Out) -> tuple[Path, int, int] | bytes | memoryview | None:
     """The source bytes of ``o`` when one uncompressed source chunk of the same
     dtype holds them as one contiguous range (file range or inline bytes); else None."""
     shape = tuple(o.tensor.shape)
-    want = _flat_range(o.region, shape)
+    want = flat_range(o.region, shape)
     size = itemsize(o.dtype)
     if want is None:
         return None
     for c in o.tensor.chunks:
         if c.dtype != o.dtype or c.compression is not None:
             continue
-        have = _flat_range(c.region, shape)
+        have = flat_range(c.region, shape)
         if have is None or not (have[0] <= want[0] and want[0] + want[1] <= have[0] + have[1]):
             continue
         skip = (want[0] - have[0]) * size
@@ -460,7 +443,7 @@ def _reuse(store: Path, outs: list[_Out], prev: _Entry | None, compression: str 
         src = _cheap_source(o) if old is not None else None
         if old is None or src is None:
             continue
-        if isinstance(src, bytes):
+        if not isinstance(src, tuple):
             if f"xxh3-64:{_core.xxh3_64(src):016x}" == old["checksum"]:
                 o.entry = old
         else:
@@ -490,7 +473,8 @@ def _header(outs: list[_Out]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_data(tmp: Path, rel_dir: str, outs: list[_Out], compression: str | None, progress: Callable[[int], None] | None) -> list[str]:
+def _write_data(tmp: Path, rel_dir: str, outs: list[_Out], compression: str | None, progress: Callable[[int], None] | None,
+                threads: int = 0) -> list[str]:
     """Write every chunk without an entry into rank files under ``tmp``; fill in
     their entries (file, offset, checksum). Returns the data file names."""
     by_rank: dict[int, list[_Out]] = {}
@@ -519,7 +503,7 @@ def _write_data(tmp: Path, rel_dir: str, outs: list[_Out], compression: str | No
         files[path] = chunks
     for name, tt in targets.items():
         job.add(tensors[name], tt)
-    job.run(progress=progress, sync=compression is None)
+    job.run(progress=progress, sync=compression is None, threads=threads)
     names = []
     for path, chunks in files.items():
         sums = _core.checksum_ranges(str(path), [(o.offset, o.nbytes) for o in chunks], "xxh3-64")
@@ -623,7 +607,7 @@ def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: lis
     reused = [o for o in outs if o.entry is not None]
     try:
         tmp.mkdir()
-        names = _write_data(tmp, rel_dir, outs, opts.compression, progress)
+        names = _write_data(tmp, rel_dir, outs, opts.compression, progress, opts.threads)
         bytes_written = sum((tmp / n).stat().st_size for n in names)
         fsync_dir(tmp)
         now = time.time()

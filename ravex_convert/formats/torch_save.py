@@ -15,7 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from .._engine import CopyJob, Target
+from .._engine import CopyJob, Target, page_residue
 from .._output import Options, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from .._torchzip import TorchArchive, is_torch_zip, open_archive
@@ -364,7 +364,11 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
     layout.add("data.pkl", len(pickle_bytes), pickle_bytes)
     for name, data in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
         layout.add(name, len(data), data)
-    entries = {name: layout.add(f"data/{s.key}", s.numel * itemsize(s.dtype)) for name, s in storages.items()}
+    entries = {}
+    for name, s in storages.items():
+        t = ckpt.tensors[name]
+        found = page_residue(t, t.whole(), s.dtype)  # same page offset as the source: whole-page copies
+        entries[name] = layout.add(f"data/{s.key}", s.numel * itemsize(s.dtype), residue=found[0] if found else None)
     layout.add("version", 2, b"3\n")
     layout.add(".data/serialization_id", 16, b"ravex00000000000")
     job = CopyJob()
@@ -377,7 +381,7 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
             for name, t in ckpt.tensors.items():
                 job.add(t, [Target(ti, entries[name].data_offset, t.whole(), storages[name].dtype)])
             data_entries = [i for i, e in enumerate(layout.entries) if e.data is None]
-            job.run(progress=progress, sync=False, crc_ranges=[(ti, layout.entries[i].data_offset, layout.entries[i].size) for i in data_entries])
+            job.run(progress=progress, sync=False, threads=opts.threads, crc_ranges=[(ti, layout.entries[i].data_offset, layout.entries[i].size) for i in data_entries])
             crcs = job.crcs
             size = layout.finish(fd, dict(zip(data_entries, crcs)))
             os.fsync(fd)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._engine import CopyJob, Target
+from .._engine import PAGE, CopyJob, Target, page_residue, vote_residue
 from .._torchwrite import StorageOut, TensorOut, ZipLayout, dumps
 from ..model import Checkpoint, Region, itemsize, numel
 from .zero_layout import Piece, flat_group_pieces, stage3_partition, stage3_pieces
@@ -205,15 +205,25 @@ class ArchiveOut:
         if region.numel:
             self.fills.append(_Fill(int(t.storage.key), source, region, at))
 
-    def layout(self) -> ZipLayout:
+    def residues(self, ckpt: Checkpoint) -> list[int | None]:
+        """Per storage, the page offset most of its source bytes have (see ``_engine.page_residue``)."""
+        votes: list[list[tuple[int, int]]] = [[] for _ in self.storages]
+        for f in self.fills:
+            s = self.storages[f.storage]
+            found = page_residue(ckpt.tensors[f.source], f.region, s.dtype)
+            if found is not None:
+                votes[f.storage].append(((found[0] - f.at * itemsize(s.dtype)) % PAGE, found[1]))
+        return [vote_residue(v) for v in votes]
+
+    def layout(self, ckpt: Checkpoint) -> ZipLayout:
         # torch.save's record order and its prefix: the file name without ".pt"
         layout = ZipLayout(Path(self.relpath).name.removesuffix(".pt"))
         pickle_bytes = dumps(self.root)
         layout.add("data.pkl", len(pickle_bytes), pickle_bytes)
         for name, data in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
             layout.add(name, len(data), data)
-        for s in self.storages:
-            layout.add(f"data/{s.key}", s.numel * itemsize(s.dtype))
+        for s, residue in zip(self.storages, self.residues(ckpt), strict=True):
+            layout.add(f"data/{s.key}", s.numel * itemsize(s.dtype), residue=residue)
         layout.add("version", 2, b"3\n")
         layout.add(".data/serialization_id", 16, b"ravex00000000000")
         return layout
@@ -223,7 +233,7 @@ def write_archives(ckpt: Checkpoint, root: Path, archives: list[ArchiveOut], pro
     """Write every archive under ``root``: small records by Python, tensor bytes by
     the Rust executor in one job over all files, then the zip headers. Returns
     the bytes written (the files' sizes)."""
-    layouts = [a.layout() for a in archives]
+    layouts = [a.layout(ckpt) for a in archives]
     paths = [root / a.relpath for a in archives]
     fds: list[int] = []
     total = 0

@@ -108,7 +108,7 @@ def _scalar_bytes(t: LogicalTensor) -> bytes:
     if c is None or c.region.numel != 1:
         raise RavexError(f"'{t.name}' is a scalar stored in {len(t.chunks)} pieces", hint="the source checkpoint is damaged; read it with `ravex inspect`")
     if c.data is not None:
-        return c.data
+        return bytes(c.data)
     if c.file is None or c.compression is not None:
         raise RavexError(f"'{t.name}': a compressed scalar cannot be read here", hint="convert the source to an uncompressed format first")
     with open(c.file, "rb") as f:
