@@ -539,6 +539,11 @@ fn run(
 /// conservative).
 const PAGE: u64 = 4096;
 
+/// Bytes per read + write when a same-dtype piece goes through user space:
+/// small enough to stay in the CPU cache between the two copies (a buffer of
+/// the whole piece, tens of MB, makes each copy go to memory and back).
+const BOUNCE_BYTES: usize = 256 << 10;
+
 thread_local! {
     /// A copy thread's cast (or read) buffer, reused from piece to piece; it goes when
     /// the job's pool does.
@@ -560,15 +565,20 @@ fn run_piece(
     let start = p.src_off as usize;
     let src = &sources[p.src].bytes()[start..start + p.src_bytes() as usize];
     // The CRC-32 of bytes that now stand at the piece's target range.
-    let record = |data: &[u8]| {
+    let record_crc = |crc: u32| {
         if let Some(crcs) = crcs {
             let crc = WrittenCrc {
                 target: p.dst,
                 offset: p.dst_off,
-                len: data.len() as u64,
-                crc: crc32fast::hash(data),
+                len: p.dst_bytes(),
+                crc,
             };
             crcs.lock().unwrap_or_else(|e| e.into_inner()).push(crc);
+        }
+    };
+    let record = |data: &[u8]| {
+        if crcs.is_some() {
+            record_crc(crc32fast::hash(data));
         }
     };
     let written = |len: u64| {
@@ -590,23 +600,39 @@ fn run_piece(
             if p.src_off % PAGE != p.dst_off % PAGE {
                 // Offsets that disagree within a page: the kernel's file to
                 // file copy would fill every target page with two partial
-                // writes (about 2.5x slower). A read into the thread's buffer
-                // and one positional write move whole pages instead.
+                // writes (about 2.5x slower). Reads into a small buffer that
+                // stays in the CPU cache, each followed by one positional
+                // write, move whole pages instead.
+                let read_err = |e| match &job.sources[p.src] {
+                    Source::Path(path) => Error::io("cannot read source file", path, e),
+                    Source::Bytes(_) => Error::io("cannot read source", Path::new("<bytes>"), e),
+                };
                 return CAST_BUFFER.with(|buf| {
                     let mut buf = buf.borrow_mut();
-                    let n = src.len();
-                    if buf.len() < n {
-                        buf.resize(n, 0);
+                    let step = src.len().min(BOUNCE_BYTES);
+                    if buf.len() < step {
+                        buf.resize(step, 0);
                     }
-                    let data = &mut buf[..n];
-                    file.read_exact_at(data, p.src_off)
-                        .map_err(|e| match &job.sources[p.src] {
-                            Source::Path(path) => Error::io("cannot read source file", path, e),
-                            Source::Bytes(_) => {
-                                Error::io("cannot read source", Path::new("<bytes>"), e)
-                            }
-                        })?;
-                    write(data)
+                    let mut hasher = crc32fast::Hasher::new();
+                    let mut done = 0usize;
+                    while done < src.len() {
+                        let data = &mut buf[..step.min(src.len() - done)];
+                        file.read_exact_at(data, p.src_off + done as u64)
+                            .map_err(read_err)?;
+                        targets[p.dst]
+                            .0
+                            .write_all_at(data, p.dst_off + done as u64)
+                            .map_err(|e| {
+                                Error::io("cannot write to target file", &paths[p.dst], e)
+                            })?;
+                        if crcs.is_some() {
+                            hasher.update(data);
+                        }
+                        done += data.len();
+                    }
+                    record_crc(hasher.finalize());
+                    written(src.len() as u64);
+                    Ok(())
                 });
             }
             // Same page offsets: file to file inside the kernel (what cp
