@@ -597,12 +597,14 @@ fn run_piece(
     };
     if p.from == p.to {
         if let Some(file) = sources[p.src].file() {
-            if p.src_off % PAGE != p.dst_off % PAGE {
+            if p.src_off % PAGE != p.dst_off % PAGE || crcs.is_some() {
                 // Offsets that disagree within a page: the kernel's file to
                 // file copy would fill every target page with two partial
                 // writes (about 2.5x slower). Reads into a small buffer that
                 // stays in the CPU cache, each followed by one positional
-                // write, move whole pages instead.
+                // write, move whole pages instead. Also when a CRC is wanted:
+                // hashing the cached buffer is free, hashing after an
+                // in-kernel copy reads every byte from memory a second time.
                 let read_err = |e| match &job.sources[p.src] {
                     Source::Path(path) => Error::io("cannot read source file", path, e),
                     Source::Bytes(_) => Error::io("cannot read source", Path::new("<bytes>"), e),
