@@ -89,6 +89,8 @@ def cases(kind: str, src: str, work: str, gb: float) -> list[tuple[str, str, lis
     cs = [
         ("ravex", f"ravex reshard --world-size {WS_OUT}", [R.RAVEX, "reshard", src, o("ravex"), "--world-size", str(WS_OUT), "-q"],
          o("ravex"), env),
+        ("ravex_nosync", f"ravex reshard --world-size {WS_OUT} --no-sync",
+         [R.RAVEX, "reshard", src, o("ravex_nosync"), "--world-size", str(WS_OUT), "--no-sync", "-q"], o("ravex_nosync"), env),
         ("cp", "cp -r", ["cp", "-r", src, o("cp")], o("cp"), env),
         ("cp_sync", "cp -r && sync -f", ["sh", "-c", 'cp -r "$0" "$1" && sync -f "$1"', src, o("cp_sync")], o("cp_sync"), env),
     ]
@@ -207,6 +209,11 @@ def render(res: dict) -> str:
             ])
         r_cp = ratio(rv, cs["cp"]["wall"])
         checks.append((kind, "ravex reshard ≤ 1.5x cp -r", f"{r_cp:.2f}x", r_cp <= T_CP_RATIO))
+        if cs.get("ravex_nosync", {}).get("wall") and cs.get("cp_sync", {}).get("wall"):
+            r_ns = ratio(cs["ravex_nosync"]["wall"], cs["cp"]["wall"])
+            checks.append((kind, "(like for like) ravex reshard --no-sync ≤ 1.5x cp -r", f"{r_ns:.2f}x", r_ns <= T_CP_RATIO))
+            r_d = ratio(rv, cs["cp_sync"]["wall"])
+            checks.append((kind, "(like for like) ravex reshard ≤ 1.5x cp -r && sync -f", f"{r_d:.2f}x", r_d <= T_CP_RATIO))
         vr = e.get("verify", {})
         checks.append((kind, "`ravex verify SRC DST` exit 0", f"exit {vr.get('rc')}", vr.get("rc") == 0))
         if "dcp" in cs and cs["dcp"]["wall"]:

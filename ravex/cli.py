@@ -98,6 +98,10 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
     _render(info, tensors)
 
 
+_NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (faster). An OS crash or power cut soon after "
+                 "can leave a DST that looks complete and is not: for scratch outputs.")
+
+
 @main.command("convert")
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
@@ -119,12 +123,13 @@ def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index:
               help="torch.save source with position-keyed optimizer state: the parameter names in optimizer order, one per line.")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, copy runs) and write nothing.")
+@click.option("--no-sync", is_flag=True, help=_NO_SYNC_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
                 compression: str | None, world_size: int, metadata_form: str, zero_stage: int | None, precision: str | None,
                 buffers: str | None, hyperparameters: str | None, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
-                as_json: bool, quiet: bool) -> None:
+                no_sync: bool, as_json: bool, quiet: bool) -> None:
     """Convert the checkpoint at SRC to another format at DST (bit-exact; weights as the fp32 master copy where SRC has one)."""
     try:
         names = _read_names(param_names_file)
@@ -132,7 +137,8 @@ def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | No
             result = ravex_convert.convert(src, dst, to, tag=tag, index=index, weights_only=weights_only, dtype=dtype,
                                            strip_prefix=strip_prefix, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                                            compression=compression, world_size=world_size, param_names=names,
-                                           metadata_form=metadata_form, progress=progress, **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
+                                           metadata_form=metadata_form, progress=progress, sync=not no_sync,
+                                           **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
     except RavexError as exc:
         _fail(exc)
     _report(result, dst, as_json)
@@ -163,15 +169,17 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--no-sync", is_flag=True, help=_NO_SYNC_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def reshard_cmd(src: str, dst: str, world_size: int, zero_stage: int | None, precision: str | None, buffers: str | None,
-                hyperparameters: str | None, tag: str | None, index: int, force: bool, dry_run: bool, as_json: bool, quiet: bool) -> None:
+                hyperparameters: str | None, tag: str | None, index: int, force: bool, dry_run: bool, no_sync: bool, as_json: bool,
+                quiet: bool) -> None:
     """Change the number of ranks of SRC (DeepSpeed ZeRO, DCP, Ravex store), model and optimizer state, keeping its format."""
     try:
         with _progress(quiet) as progress:
             result = ravex_convert.reshard(src, dst, world_size, tag=tag, index=index, force=force, dry_run=dry_run, progress=progress,
-                                           **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
+                                           sync=not no_sync, **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
     except RavexError as exc:
         _fail(exc)
     _report(result, dst, as_json)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _core
-from ._output import fsync_dir
+from ._output import durable, fsync_dir
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
 
@@ -96,13 +96,15 @@ class CopyJob:
         self.tensors.append((list(tensor.shape), src, dst))
 
     def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20,
-            crc_ranges: list[tuple[int, int, int]] | None = None, threads: int = 0, writeback: bool = True) -> dict[str, int]:
+            crc_ranges: list[tuple[int, int, int]] | None = None, threads: int = 0, writeback: bool | None = None) -> dict[str, int]:
         """Execute in batches of about ``batch_bytes`` so a progress bar can move.
         With ``crc_ranges`` (target, offset, length), ``self.crcs`` gets each
         range's CRC-32, gathered while copying (a zip entry's CRC without
         reading the output again). With ``writeback`` (the default: every
         writer fsyncs its files before it commits) the disk starts writing each
         piece as soon as it is copied, so that fsync waits for little."""
+        if writeback is None:
+            writeback = durable()
         totals: dict[str, int] = {}
         found: list[int | None] = [None] * len(crc_ranges or [])
         batch: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = []

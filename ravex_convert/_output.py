@@ -9,6 +9,7 @@ DST that looks like a finished checkpoint.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from pathlib import Path
 from .errors import RavexError
 from .model import MODEL, OBJ, OPTIM, Checkpoint, LogicalTensor
 
-__all__ = ["FLOAT_DTYPES", "Options", "fsync_dir", "out_dtype", "select", "staged"]
+__all__ = ["FLOAT_DTYPES", "Options", "durability", "durable", "fsync_dir", "fsync_fd", "out_dtype", "select", "staged"]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -90,8 +91,37 @@ def select(ckpt: Checkpoint, opts: Options) -> Checkpoint:
     return out
 
 
+# Off only for the duration of a `convert(..., sync=False)` (`--no-sync`): outputs are then
+# renamed into place without waiting for the disk, like `cp`. Everything else, the runtime's
+# store included, always syncs.
+_DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ravex_durable", default=True)
+
+
+@contextlib.contextmanager
+def durability(sync: bool) -> Iterator[None]:
+    """Within the block, :func:`fsync_fd` / :func:`fsync_dir` and the executor's early
+    write-back run only when ``sync``."""
+    token = _DURABLE.set(sync)
+    try:
+        yield
+    finally:
+        _DURABLE.reset(token)
+
+
+def durable() -> bool:
+    return _DURABLE.get()
+
+
+def fsync_fd(fd: int) -> None:
+    """fsync an open file, unless inside ``durability(False)``."""
+    if _DURABLE.get():
+        os.fsync(fd)
+
+
 def fsync_dir(path: Path | str) -> None:
-    """fsync a directory (or a file) by path."""
+    """fsync a directory (or a file) by path, unless inside ``durability(False)``."""
+    if not _DURABLE.get():
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _core
 from ._engine import SourceTable, source_bytes
-from ._output import Options, out_dtype, select
+from ._output import Options, durability, out_dtype, select
 from .detect import detect, inspect, read_checkpoint
 from .errors import RavexError
 from .formats import native, safetensors, torch_save
@@ -65,11 +65,15 @@ def convert(
     buffers: Sequence[str] | None = None,
     hyperparameters: Sequence[dict[str, Any]] | None = None,
     progress: Callable[[int], None] | None = None,
+    sync: bool = True,
 ) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
     Returns a summary (tensors, bytes, files, seconds; with ``dry_run`` the plan
     instead, and nothing is written). Raises :class:`RavexError` subclasses.
+    With ``sync=False`` (``--no-sync``) the output is renamed into place without
+    waiting for it to reach the disk, as ``cp`` does: faster, but an OS crash or
+    power cut soon after can leave a DST that looks complete and is not.
     """
     if to not in TARGETS:
         raise RavexError(f"--to {to}: not a format Ravex writes yet", hint=f"use one of {', '.join(TARGETS)}")
@@ -97,6 +101,17 @@ def convert(
         summary = plan(out, opts)
         summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes})
         return summary
+    with durability(sync):
+        result = _write(out, dst, to, opts, progress, zero_stage=zero_stage, precision=precision, buffers=buffers,
+                        hyperparameters=hyperparameters, metadata_form=metadata_form)
+    result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
+                   "seconds": time.perf_counter() - t0, "synced": sync})
+    return result
+
+
+def _write(out: Checkpoint, dst: Path, to: str, opts: Options, progress: Callable[[int], None] | None, *, zero_stage: int | None,
+           precision: str | None, buffers: Sequence[str] | None, hyperparameters: Sequence[dict[str, Any]] | None,
+           metadata_form: str) -> dict[str, Any]:
     if to == "safetensors":
         result = safetensors.write(out, dst, opts, progress)
     elif to == "torch_save":
@@ -115,8 +130,6 @@ def convert(
         from .formats import native_write
 
         result = native_write.write(out, dst, opts, progress=progress)
-    result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
-                   "seconds": time.perf_counter() - t0})
     return result
 
 

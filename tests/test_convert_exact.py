@@ -305,3 +305,38 @@ def test_bare_state_dict_converts_once(tmp_path: Path) -> None:
     assert sorted(out) == ["model"]
     assert sorted(out["model"]) == sorted(sd)
     assert all(torch.equal(out["model"][k], v) for k, v in sd.items())
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch_save", "native", "dcp", "zero"])
+def test_no_sync_writes_the_same_checkpoint_without_waiting_for_the_disk(to: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import ravex_convert
+
+    calls: list[int] = []
+    real = os.fsync
+
+    def counted(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
+    src = DATA / "zero2_ws2_fp32" / "checkpoint"
+    kw: dict[str, Any] = {"zero_stage": 2} if to == "zero" else {}
+    ravex_convert.convert(src, tmp_path / "synced", to, world_size=2, **kw)
+    synced = len(calls)
+    calls.clear()
+    result = ravex_convert.convert(src, tmp_path / "unsynced", to, world_size=2, sync=False, **kw)
+    assert synced > 0 and calls == [], (synced, calls)
+    assert result["synced"] is False
+    same = ravex_convert.verify(tmp_path / "synced", tmp_path / "unsynced")
+    assert same.identical and same.compared > 0
+    # and syncing is back on after the call (the runtime's store always syncs)
+    ravex_convert.convert(src, tmp_path / "again", to, world_size=2, **kw)
+    assert calls
+
+
+def test_no_sync_flag_on_the_command_line(tmp_path: Path) -> None:
+    res = run_ravex("reshard", DATA / "fsdp2_ws2" / "checkpoint", tmp_path / "out", "--world-size", "3", "--no-sync", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["synced"] is False

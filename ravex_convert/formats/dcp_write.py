@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import CopyJob, Target
-from .._output import Options, fsync_dir, out_dtype, staged
+from .._output import Options, fsync_dir, fsync_fd, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, PickleDict, PickleGlobal, PickleObject, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import RavexError
 from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize
@@ -447,7 +447,7 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, m
             for r, fd in enumerate(fds):
                 for it in per_rank[r]:
                     it.layout.finish(fd, {i: crc_of[id(it)] for i in it.layout.data_entries})
-                os.fsync(fd)
+                fsync_fd(fd)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -456,7 +456,7 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, m
         with open(part, "wb") as f:
             f.write(meta)
             f.flush()
-            os.fsync(f.fileno())
+            fsync_fd(f.fileno())
         os.replace(part, tmp / METADATA)
         fsync_dir(tmp)
     total = sum(plan.file_sizes) + len(meta)

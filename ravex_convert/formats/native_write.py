@@ -37,7 +37,7 @@ from typing import Any
 
 from .. import _core
 from .._engine import CopyJob, Target, flat_range
-from .._output import Options, fsync_dir, out_dtype
+from .._output import Options, fsync_dir, fsync_fd, out_dtype
 from .._tagged import encode
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError
 from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, itemsize, numel
@@ -105,7 +105,7 @@ def _write_json(path: Path, doc: dict[str, Any], tmp: Path, indent: int | None =
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        fsync_fd(f.fileno())
     os.replace(tmp, path)
 
 
@@ -531,7 +531,7 @@ def _compress(raw: Path, dst: Path, chunks: list[_Out]) -> list[int]:
             pos += len(frame)
             lengths.append(len(frame))
         f.flush()
-        os.fsync(f.fileno())
+        fsync_fd(f.fileno())
     return lengths
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import CopyJob, Target, page_residue
-from .._output import Options, out_dtype, staged
+from .._output import Options, fsync_fd, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from .._torchzip import TorchArchive, is_torch_zip, open_archive
 from .._unpickle import TensorRef
@@ -384,7 +384,7 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
             job.run(progress=progress, sync=False, threads=opts.threads, crc_ranges=[(ti, layout.entries[i].data_offset, layout.entries[i].size) for i in data_entries])
             crcs = job.crcs
             size = layout.finish(fd, dict(zip(data_entries, crcs)))
-            os.fsync(fd)
+            fsync_fd(fd)
         finally:
             os.close(fd)
     return {"files": [dst.name], "tensors": len(ckpt.tensors), "bytes": size}

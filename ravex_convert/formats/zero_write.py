@@ -47,7 +47,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._output import Options, fsync_dir, staged
+from .._output import Options, fsync_dir, fsync_fd, staged
 from .._torchwrite import PickleObject, TensorOut
 from ..errors import RavexError
 from ..model import MODEL, Box, Checkpoint, Flat, TensorLink, itemsize
@@ -304,7 +304,7 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Callable[[int], 
         with open(part, "wb") as f:
             f.write(plan.tag.encode())
             f.flush()
-            os.fsync(f.fileno())
+            fsync_fd(f.fileno())
         os.replace(part, tmp / zero.LATEST)
         fsync_dir(tmp)
     files = [zero.LATEST] + [s.name for s in plan.scripts] + [a.relpath for a in archives]

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import PAGE, CopyJob, Target, page_residue, vote_residue
+from .._output import fsync_fd
 from .._torchwrite import StorageOut, TensorOut, ZipLayout, dumps
 from ..model import Checkpoint, Region, itemsize, numel
 from .zero_layout import Piece, flat_group_pieces, stage3_partition, stage3_pieces
@@ -264,7 +265,7 @@ def write_archives(ckpt: Checkpoint, root: Path, archives: list[ArchiveOut], pro
             crcs[fi][i] = crc
         for fd, layout, of_file in zip(fds, layouts, crcs):
             total += layout.finish(fd, of_file)
-            os.fsync(fd)
+            fsync_fd(fd)
     finally:
         for fd in fds:
             os.close(fd)
