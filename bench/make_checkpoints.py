@@ -35,6 +35,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import NoReturn
 
 WIDTH = 7232  # multiple of 64; one Linear(WIDTH, WIDTH) is 52.3 M parameters
 WORLD_SIZE = 2
@@ -207,19 +209,25 @@ def worker_dcp(out: str, layers: int) -> None:
     phase("checkpoint saved")
 
 
-def worker(kind: str, out: str, gb: float) -> None:
+def run_then_exit(body: Callable[[], object]) -> NoReturn:
+    """Run a torchrun worker's body and leave with ``os._exit``: gloo sometimes aborts at
+    interpreter exit after the work is done, so the caller judges the outputs, not the exit
+    status. A failure prints its traceback and exits 1."""
+    code = 0
     try:
-        (worker_zero3 if kind == "zero3" else worker_dcp)(out, layers_for(gb))
+        body()
     except BaseException:  # noqa: BLE001 -- print, then exit without gloo's exit-time teardown
         import traceback
 
         traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # gloo sometimes aborts at interpreter exit; the outputs are judged instead
+    os._exit(code)
+
+
+def worker(kind: str, out: str, gb: float) -> None:
+    run_then_exit(lambda: (worker_zero3 if kind == "zero3" else worker_dcp)(out, layers_for(gb)))
 
 
 def main() -> None:

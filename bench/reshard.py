@@ -52,7 +52,7 @@ def dcp_worker(src: str, dst: str, gb: float) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    try:
+    def body() -> None:
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         model = MC.build_model(MC.layers_for(gb))
@@ -68,15 +68,8 @@ def dcp_worker(src: str, dst: str, gb: float) -> None:
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=dst)
         dist.barrier()
-    except BaseException:  # noqa: BLE001 -- print, then exit without gloo's exit-time teardown
-        import traceback
 
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)
+    MC.run_then_exit(body)
 
 
 # ----------------------------------------------------------------------------------------------

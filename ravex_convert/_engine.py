@@ -17,7 +17,7 @@ from ._output import durable, fsync_dir
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
 
-__all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "core_region", "flat_range", "page_residue", "source_bytes", "vote_residue"]
+__all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "chunk_bytes", "core_region", "flat_range", "page_residue", "source_bytes", "vote_residue"]
 
 
 def core_region(region: Region) -> tuple[Any, ...]:
@@ -32,6 +32,19 @@ def source_bytes(chunk: Chunk) -> bytes | memoryview | None:
         assert chunk.file is not None and chunk.stored_nbytes is not None
         return bytes(_core.decompress_frame(str(chunk.file), chunk.offset, chunk.stored_nbytes, chunk.nbytes))
     return None
+
+
+def chunk_bytes(chunk: Chunk) -> bytes | memoryview:
+    """A chunk's (uncompressed) bytes, read from its file when they are not
+    inline: for scalars and checks; the executor moves anything large."""
+    data = source_bytes(chunk)
+    if data is not None:
+        return data
+    if chunk.file is None:
+        raise RavexError("a chunk has neither a file nor data")
+    with open(chunk.file, "rb") as f:
+        f.seek(chunk.offset)
+        return f.read(chunk.nbytes)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _core
-from ._engine import SourceTable, source_bytes
+from ._engine import SourceTable, chunk_bytes
 from ._output import Options, durability, out_dtype, select
 from .detect import detect, inspect, read_checkpoint
 from .errors import RavexError
@@ -178,13 +178,7 @@ def materialize(t: LogicalTensor) -> bytes:
     for c in t.chunks:
         if c.dtype != t.dtype:
             raise RavexError(f"tensor '{t.name}' mixes dtypes across its chunks; convert it instead")
-        data = source_bytes(c)
-        if data is None:
-            assert c.file is not None
-            with open(c.file, "rb") as f:
-                f.seek(c.offset)
-                data = f.read(c.nbytes)
-        values = np.frombuffer(data, dtype=lanes, count=c.region.numel)
+        values = np.frombuffer(chunk_bytes(c), dtype=lanes, count=c.region.numel)
         region = c.region
         if isinstance(region, Box):
             sl = tuple(slice(o, o + s) for o, s in zip(region.offsets, region.sizes))

@@ -605,9 +605,12 @@ fn run_piece(
                 // write, move whole pages instead. Also when a CRC is wanted:
                 // hashing the cached buffer is free, hashing after an
                 // in-kernel copy reads every byte from memory a second time.
-                let read_err = |e| match &job.sources[p.src] {
-                    Source::Path(path) => Error::io("cannot read source file", path, e),
-                    Source::Bytes(_) => Error::io("cannot read source", Path::new("<bytes>"), e),
+                let read_err = |e| {
+                    Error::io(
+                        "cannot read source file",
+                        Path::new(&source_name(&job.sources, p.src)),
+                        e,
+                    )
                 };
                 return CAST_BUFFER.with(|buf| {
                     let mut buf = buf.borrow_mut();
@@ -637,9 +640,9 @@ fn run_piece(
                     Ok(())
                 });
             }
-            // Same page offsets: file to file inside the kernel (what cp
-            // does), whole pages, no page faults on the mapping, no copy
-            // through user space.
+            // Same page offsets and no CRC wanted: file to file inside the
+            // kernel (what cp does), whole pages, no page faults on the
+            // mapping, no copy through user space.
             if copy_file_range(
                 file,
                 p.src_off,
@@ -649,7 +652,6 @@ fn run_piece(
             )
             .map_err(|e| Error::io("cannot write to target file", &paths[p.dst], e))?
             {
-                record(src);
                 written(src.len() as u64);
                 return Ok(());
             }

@@ -21,7 +21,7 @@ import torch
 from conftest import DATA, REPO, inspect_json
 from safetensors import safe_open
 
-from ravex_convert._engine import source_bytes
+from ravex_convert._engine import chunk_bytes
 from ravex_convert._output import Options
 from ravex_convert._tagged import decode
 from ravex_convert.errors import CorruptCheckpointError, RavexError
@@ -43,13 +43,7 @@ def gather(t: LogicalTensor, *, tiles: bool = False) -> bytes:
     seen = np.zeros(n, dtype=np.int64)
     full, cover = out.reshape(t.shape), seen.reshape(t.shape)
     for c in t.chunks:
-        data = source_bytes(c)
-        if data is None:
-            assert c.file is not None
-            with open(c.file, "rb") as f:
-                f.seek(c.offset)
-                data = f.read(c.nbytes)
-        values = np.frombuffer(data, dtype=lanes, count=c.region.numel)
+        values = np.frombuffer(chunk_bytes(c), dtype=lanes, count=c.region.numel)
         if isinstance(c.region, Box):
             sl = tuple(slice(o, o + s) for o, s in zip(c.region.offsets, c.region.sizes))
             full[sl] = values.reshape(c.region.sizes)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import DATA, run_without_torch
 
+from ravex_convert._engine import chunk_bytes
 from ravex_convert._torchzip import TorchArchive
 from ravex_convert._unpickle import Record
 from ravex_convert.errors import CorruptCheckpointError
@@ -84,13 +85,7 @@ def _gather(t: LogicalTensor) -> np.ndarray:
     hits = np.zeros(t.numel, dtype=np.int64)
     for c in t.chunks:
         assert c.dtype == t.dtype, t.name
-        if c.data is not None:
-            raw = c.data
-        else:
-            assert c.file is not None
-            with open(c.file, "rb") as f:
-                f.seek(c.offset)
-                raw = f.read(c.nbytes)
+        raw = chunk_bytes(c)
         assert len(raw) == c.nbytes, (t.name, c)
         values = np.frombuffer(raw, dtype=lanes)
         if isinstance(c.region, Flat):

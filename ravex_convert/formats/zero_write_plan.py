@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._engine import chunk_bytes
 from .._output import FLOAT_DTYPES, Options, _strip
 from .._torchzip import open_archive
 from ..errors import LayoutMismatchError, RavexError
-from ..model import MODEL, OPTIM, Checkpoint, LogicalTensor, itemsize
+from ..model import MODEL, OPTIM, Checkpoint, LogicalTensor
 
 __all__ = ["DS_VERSION", "PRECISIONS", "SUB_GROUP_SIZE", "Group", "Param", "Plan", "find", "make_plan"]
 
@@ -107,13 +108,7 @@ def _scalar_bytes(t: LogicalTensor) -> bytes:
     c = t.chunks[0] if len(t.chunks) == 1 else None
     if c is None or c.region.numel != 1:
         raise RavexError(f"'{t.name}' is a scalar stored in {len(t.chunks)} pieces", hint="the source checkpoint is damaged; read it with `ravex inspect`")
-    if c.data is not None:
-        return bytes(c.data)
-    if c.file is None or c.compression is not None:
-        raise RavexError(f"'{t.name}': a compressed scalar cannot be read here", hint="convert the source to an uncompressed format first")
-    with open(c.file, "rb") as f:
-        f.seek(c.offset)
-        return f.read(itemsize(c.dtype))
+    return bytes(chunk_bytes(c))
 
 
 def _scalar_value(t: LogicalTensor) -> float:
