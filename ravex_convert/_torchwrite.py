@@ -227,7 +227,7 @@ class ZipLayout:
     Records are 64-byte aligned within the archive, as torch.save aligns them.
     A record given a ``residue`` is padded further so that its data starts at
     that offset modulo 4096 in the file (the archive starts ``base`` bytes into
-    it): the page offset its source bytes have, so the kernel copies whole
+    it): the page offset its source bytes have, so each write moves whole
     pages (``_engine.page_residue``). A residue that would break the 64-byte
     alignment is ignored."""
 

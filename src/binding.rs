@@ -575,6 +575,22 @@ fn compare<'py>(
     Ok((c.n_diff, c.first_diff, c.max_abs_diff))
 }
 
+/// Sizes the new file open as descriptor `fd` to `length` bytes with its
+/// blocks reserved (fallocate). False where the file system cannot: the
+/// caller then sets the size itself. OSError on a full disk.
+#[pyfunction]
+fn preallocate(py: Python<'_>, fd: i32, length: i64) -> PyResult<bool> {
+    let length = checked(length, "length")?;
+    if fd < 0 {
+        return Err(PyValueError::new_err(format!(
+            "fd must be a file descriptor, got {fd}"
+        )));
+    }
+    // SAFETY: the descriptor is only borrowed for the call; the caller owns it.
+    let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    Ok(py.detach(|| crate::files::preallocate(&file, length))?)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -586,5 +602,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(compress_range, m)?)?;
     m.add_function(wrap_pyfunction!(decompress_frame, m)?)?;
     m.add_function(wrap_pyfunction!(compare, m)?)?;
+    m.add_function(wrap_pyfunction!(preallocate, m)?)?;
     Ok(())
 }

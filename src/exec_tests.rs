@@ -528,14 +528,15 @@ fn crcs_of_ranges_not_tiled_are_none() {
     );
 }
 
-/// Same-dtype file-to-file pieces go through copy_file_range when source and
-/// target agree modulo the page size, through a read into the thread's buffer
-/// when they do not; both land the same bytes, across many pages and pieces,
-/// with and without early write-back.
+/// Pieces larger than one write step, at target offsets on and off the
+/// step and page boundaries, same dtype and cast, with and without early
+/// write-back: every byte lands once and the CRC gathered step by step is
+/// the CRC of the written range.
 #[test]
-fn same_dtype_copies_at_matching_and_mismatched_page_offsets() {
+fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
+    use crate::exec::{combine_crcs, execute_with_crcs};
     let dir = TempDir::new().unwrap();
-    let n: u64 = 300_000; // f32 elements: 1.2 MB, many pages, several pieces per window
+    let n: u64 = 300_000; // f32 elements: 1.2 MB, over two 512 KiB steps, several pieces per window
     let data: Vec<u8> = (0..n)
         .flat_map(|i| ((i * 2654435761) as f32).to_le_bytes())
         .collect();
@@ -543,52 +544,71 @@ fn same_dtype_copies_at_matching_and_mismatched_page_offsets() {
     let mut file = vec![0u8; src_off as usize];
     file.extend_from_slice(&data);
     let sources = write_data(dir.path(), "src", &[file]);
-    for (dst_off, writeback) in [
-        (src_off, false),
-        (src_off + 4096, true),
-        (100, false),
-        (4097, true),
-    ] {
-        let targets = blank(
-            dir.path(),
-            &format!("dst{dst_off}-"),
-            &[dst_off + n * 4 + 5],
-        );
-        let chunk = |file, offset| ChunkRef {
-            file,
-            offset,
-            region: Region::Flat { start: 0, len: n },
-            dtype: DType::F32,
-        };
-        let job = Job {
-            sources: paths(&sources),
-            targets: targets.clone(),
-            tensors: vec![TensorJob {
-                shape: vec![n],
-                src_chunks: vec![chunk(0, src_off)],
-                dst_chunks: vec![chunk(0, dst_off)],
-            }],
-        };
-        let opts = Options {
-            writeback,
-            ..options(2, 256 << 10)
-        };
-        execute(&job, &opts).unwrap();
-        let out = fs::read(&targets[0]).unwrap();
-        assert!(
-            out[..dst_off as usize].iter().all(|&b| b == SENTINEL),
-            "{dst_off}"
-        );
-        assert_eq!(
-            &out[dst_off as usize..(dst_off + n * 4) as usize],
-            &data[..],
-            "{dst_off}"
-        );
-        assert!(
-            out[(dst_off + n * 4) as usize..]
-                .iter()
-                .all(|&b| b == SENTINEL),
-            "{dst_off}"
-        );
+    let bf16_bytes: Vec<u8> = data
+        .chunks(4)
+        .flat_map(|b| bf16::from_f32(f32::from_le_bytes(b.try_into().unwrap())).to_le_bytes())
+        .collect();
+    for (to, want) in [(DType::F32, &data), (DType::BF16, &bf16_bytes)] {
+        for (dst_off, writeback) in [
+            (src_off, false),
+            (src_off + 4096, true),
+            (100, false),
+            (4097, true),
+            ((512 << 10) - 8, false),
+        ] {
+            let len = want.len() as u64;
+            let targets = blank(
+                dir.path(),
+                &format!("dst{}-{dst_off}-", to.name()),
+                &[dst_off + len + 5],
+            );
+            let chunk = |file, offset, dtype| ChunkRef {
+                file,
+                offset,
+                region: Region::Flat { start: 0, len: n },
+                dtype,
+            };
+            let job = Job {
+                sources: paths(&sources),
+                targets: targets.clone(),
+                tensors: vec![TensorJob {
+                    shape: vec![n],
+                    src_chunks: vec![chunk(0, src_off, DType::F32)],
+                    dst_chunks: vec![chunk(0, dst_off, to)],
+                }],
+            };
+            let opts = Options {
+                writeback,
+                ..options(2, 256 << 10)
+            };
+            let (_, pieces) = execute_with_crcs(&job, &opts).unwrap();
+            let out = fs::read(&targets[0]).unwrap();
+            let (at, end) = (dst_off as usize, (dst_off + len) as usize);
+            assert!(out[..at].iter().all(|&b| b == SENTINEL), "{dst_off}");
+            assert_eq!(&out[at..end], &want[..], "{dst_off}");
+            assert!(out[end..].iter().all(|&b| b == SENTINEL), "{dst_off}");
+            assert_eq!(
+                combine_crcs(pieces, &[(0, dst_off, len)]),
+                vec![Some(crc32fast::hash(want))],
+                "{dst_off}"
+            );
+        }
     }
+}
+
+/// A new file is sized with its blocks reserved where the file system can,
+/// and reported as not done (for the caller to extend it) where it cannot.
+#[test]
+fn preallocate_sizes_a_new_file() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("out");
+    let file = fs::File::create(&path).unwrap();
+    let reserved = crate::files::preallocate(&file, 1 << 20).unwrap();
+    if reserved {
+        assert_eq!(fs::metadata(&path).unwrap().len(), 1 << 20);
+        assert!(fs::read(&path).unwrap().iter().all(|&b| b == 0));
+    } else {
+        assert_eq!(fs::metadata(&path).unwrap().len(), 0);
+    }
+    assert!(!crate::files::preallocate(&file, 0).unwrap());
 }

@@ -1,6 +1,6 @@
 """Where tensor bytes land in the zip-based outputs: 64-byte aligned as torch.save
 aligns them, and at their source's offset within a 4 KiB page where that keeps
-the 64-byte alignment (so the kernel copies whole pages)."""
+the 64-byte alignment (so each write moves whole pages of both files)."""
 
 from __future__ import annotations
 
