@@ -6,8 +6,7 @@ Importing this package does not import torch.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
+from . import _core
 from .convert import convert, load_state_dict, reshard
 from .detect import Detection, detect, inspect, read_checkpoint
 from .errors import (
@@ -23,10 +22,9 @@ from .info import CheckpointInfo, TensorInfo
 from .model import Checkpoint
 from .verify import VerifyResult, verify
 
-try:
-    __version__ = version("ravex")
-except PackageNotFoundError:  # running from a source tree without an install
-    __version__ = "0.0.0+unknown"
+# The compiled module's version is the package's (pyproject.toml takes it from
+# Cargo.toml); importlib.metadata would cost a third of `ravex`'s start-up.
+__version__: str = _core.__version__
 
 __all__ = [
     "Checkpoint",

@@ -588,7 +588,16 @@ fn preallocate(py: Python<'_>, fd: i32, length: i64) -> PyResult<bool> {
     }
     // SAFETY: the descriptor is only borrowed for the call; the caller owns it.
     let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    Ok(py.detach(|| crate::files::preallocate(&file, length))?)
+    py.detach(|| crate::files::preallocate(&file, length))
+        .map_err(|e| match e.raw_os_error() {
+            // OSError(errno, strerror), as os.* raises it: callers test errno
+            Some(code) => {
+                let text = e.to_string();
+                let strerror = text.split(" (os error").next().unwrap_or(&text).to_string();
+                PyOSError::new_err((code, strerror))
+            }
+            None => PyOSError::new_err(e.to_string()),
+        })
 }
 
 #[pymodule]

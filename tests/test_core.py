@@ -66,3 +66,58 @@ def test_execute_refuses_buffers_it_cannot_read_in_place(tmp_path: Path) -> None
         _core.execute([3.5], [str(target)], [tensor])
     with pytest.raises(ValueError, match="must be bytes or a buffer"):
         _core.xxh3_64(7)  # type: ignore[arg-type]
+
+
+def test_package_version_is_the_compiled_modules() -> None:
+    import importlib.metadata
+
+    import ravex_convert
+
+    assert ravex_convert.__version__ == _core.__version__ == importlib.metadata.version("ravex")
+
+
+def test_allocate_reserves_or_extends_and_reports_a_file_size_limit(tmp_path: Path) -> None:
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from ravex_convert._output import allocate
+
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"head")
+        allocate(fd, 1 << 20)  # keeps what is written, the rest reads as zeros
+        assert path.stat().st_size == 1 << 20
+        assert os.pread(fd, 8, 0) == b"head\0\0\0\0"
+    finally:
+        os.close(fd)
+    with pytest.raises(ValueError, match="fd must be a file descriptor"):
+        _core.preallocate(-1, 10)
+    # Past a file-size limit (as on a full disk): an OSError before any byte is copied.
+    code = ("import os, sys; from ravex_convert._output import allocate\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)\n"
+            "try:\n    allocate(fd, 1 << 20)\nexcept OSError as e:\n    print('errno', e.errno, e.strerror)\n")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "big")], capture_output=True, text=True,
+                         preexec_fn=limit, timeout=60, check=False)
+    assert res.stdout.strip() == "errno 27 File too large", res.stdout + res.stderr  # EFBIG, as os.* says it
+
+
+def test_allocate_falls_back_to_extending_where_blocks_cannot_be_reserved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from ravex_convert import _output
+
+    monkeypatch.setattr(_output._core, "preallocate", lambda fd, n: False)
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _output.allocate(fd, 12345)
+    finally:
+        os.close(fd)
+    assert path.stat().st_size == 12345

@@ -31,7 +31,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +368,8 @@ def _objects(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def _source(ckpt: Checkpoint) -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version  # here: slow to import, needed only here
+
     from .. import __version__
 
     versions = {"ravex": __version__, "python": platform.python_version()}
