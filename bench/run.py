@@ -758,9 +758,9 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
                 f"`--to torch_save` {_rng(pt)}x. The comparison is steep by construction: `cp -r` (coreutils 9, "
                 "`copy_file_range`) copies page cache to page cache inside the kernel and returns with everything "
                 "still dirty in memory (at 5 GB it crosses the kernel's dirty-page limit and starts paying for write-back "
-                "too, which is why the ratios are lower there), while Ravex starts Python, plans the layout, copies, "
-                "computes the zip CRC-32s for torch_save, and **fsyncs every output file and its directory before it "
-                "returns**, so its time includes the disk write.")
+                "too, which is why the ratios are lower there), while Ravex starts Python, plans the layout, writes from its "
+                "mapped input (hashing each step for the zip CRC-32s of torch_save), and **fsyncs every output file and "
+                "its directory before it returns**, so its time includes the disk write.")
         if st_d and pt_d:
             text += (f" Against the durable copy (`cp -r && sync -f`) the ratios are {_rng(st_d)}x (safetensors) and "
                      f"{_rng(pt_d)}x (torch_save).")
@@ -770,9 +770,10 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
                      f"{_rng([x * 100 for x in share('ravex_pt', ('fsync',))], '{:.0f}')} % of the run; Python start-up and imports "
                      f"{_rng(phase('ravex_pt', 'import'))} s.")
         if copy_vs_cp("ravex_pt"):
-            text += (f" The torch_save miss is mostly the copy itself: its copy phase alone took {_rng(copy_vs_cp('ravex_pt'))}x "
-                     f"the whole `cp -r` (safetensors' copy phase: {_rng(copy_vs_cp('ravex_st'))}x, but it writes a third of "
-                     "the bytes: weights only).")
+            pt_missed = any(c["what"].endswith("ravex convert --to torch_save / cp -r") for c in missed)
+            text += (f" {'The torch_save miss is mostly the copy itself: its' if pt_missed else 'The torch_save'} copy phase alone "
+                     f"took {_rng(copy_vs_cp('ravex_pt'))}x the whole `cp -r` (safetensors' copy phase: "
+                     f"{_rng(copy_vs_cp('ravex_st'))}x, but it writes a third of the bytes: weights only).")
         crc = [x for x in phase("ravex_pt", "checksum") if x > 0]
         if crc:
             text += f" The torch_save writer also read its output back for the zip CRC-32s ({_rng(crc)} s)."

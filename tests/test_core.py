@@ -104,7 +104,7 @@ def test_allocate_reserves_or_extends_and_reports_a_file_size_limit(tmp_path: Pa
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "big")], capture_output=True, text=True,
-                         preexec_fn=limit, timeout=60, check=False)
+                         preexec_fn=limit, timeout=60, check=False, cwd=tmp_path)  # cwd: not the source tree
     assert res.stdout.strip() == "errno 27 File too large", res.stdout + res.stderr  # EFBIG, as os.* says it
 
 
