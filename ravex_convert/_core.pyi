@@ -19,7 +19,6 @@ __all__ = [
     "execute",
     "plan_runs",
     "plan_summary",
-    "preallocate",
     "xxh3_64",
 ]
 
@@ -151,11 +150,4 @@ def compare(
     compare values. Otherwise floats match when
     ``|a - b| <= atol + rtol * |b|``, NaN matches NaN and an infinity matches
     only itself. Integers and bools compare exactly in both modes.
-    """
-
-def preallocate(fd: int, length: int) -> bool:
-    """Size the new file open as ``fd`` to ``length`` bytes with its blocks reserved (fallocate).
-
-    False where the file system cannot (the caller then sets the size
-    itself); OSError on a full disk or a file-size limit.
     """

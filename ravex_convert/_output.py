@@ -16,11 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _core
 from .errors import RavexError
 from .model import MODEL, OBJ, OPTIM, Checkpoint, LogicalTensor
 
-__all__ = ["FLOAT_DTYPES", "Options", "allocate", "durability", "durable", "fsync_dir", "fsync_fd", "out_dtype", "select", "staged"]
+__all__ = ["FLOAT_DTYPES", "Options", "durability", "durable", "fsync_dir", "fsync_fd", "out_dtype", "select", "staged"]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -111,15 +110,6 @@ def durability(sync: bool) -> Iterator[None]:
 
 def durable() -> bool:
     return _DURABLE.get()
-
-
-def allocate(fd: int, size: int) -> None:
-    """Size a new, empty output file to ``size`` bytes before the executor
-    fills it, with its blocks reserved on the disk where the file system can
-    (fallocate): the copies then run about 30% faster on ext4, and a full disk
-    fails here, before any byte is copied. Elsewhere the file is only extended."""
-    if not _core.preallocate(fd, size):
-        os.ftruncate(fd, size)
 
 
 def fsync_fd(fd: int) -> None:

@@ -575,31 +575,6 @@ fn compare<'py>(
     Ok((c.n_diff, c.first_diff, c.max_abs_diff))
 }
 
-/// Sizes the new file open as descriptor `fd` to `length` bytes with its
-/// blocks reserved (fallocate). False where the file system cannot: the
-/// caller then sets the size itself. OSError on a full disk.
-#[pyfunction]
-fn preallocate(py: Python<'_>, fd: i32, length: i64) -> PyResult<bool> {
-    let length = checked(length, "length")?;
-    if fd < 0 {
-        return Err(PyValueError::new_err(format!(
-            "fd must be a file descriptor, got {fd}"
-        )));
-    }
-    // SAFETY: the descriptor is only borrowed for the call; the caller owns it.
-    let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    py.detach(|| crate::files::preallocate(&file, length))
-        .map_err(|e| match e.raw_os_error() {
-            // OSError(errno, strerror), as os.* raises it: callers test errno
-            Some(code) => {
-                let text = e.to_string();
-                let strerror = text.split(" (os error").next().unwrap_or(&text).to_string();
-                PyOSError::new_err((code, strerror))
-            }
-            None => PyOSError::new_err(e.to_string()),
-        })
-}
-
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -611,6 +586,5 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(compress_range, m)?)?;
     m.add_function(wrap_pyfunction!(decompress_frame, m)?)?;
     m.add_function(wrap_pyfunction!(compare, m)?)?;
-    m.add_function(wrap_pyfunction!(preallocate, m)?)?;
     Ok(())
 }

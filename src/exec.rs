@@ -522,10 +522,12 @@ fn run(
 /// Bytes per positional write when a same-dtype piece is written straight
 /// from its source (a file's mapping, or a buffer): small enough that the
 /// bytes the kernel has just read stay in the CPU cache for the CRC, large
-/// enough for few calls. Measured on ext4 (2.5 GB, warm page cache): 512 KiB
-/// writes from a mapping run at 5.4-7.3 GB/s, against 5.0 GB/s for
-/// copy_file_range at matching offsets (3.0 when not), 3.5 GB/s through a
-/// read buffer, and 0.8-1.0 GB/s, erratically, for writes of 4 MiB and more.
+/// enough for few calls. Measured on ext4 (1.2 GB into one file, warm page
+/// cache): 512 KiB writes from a mapping, ending on 512 KiB boundaries of the
+/// target, run at 4.9-5.3 GB/s (4.1 when the steps do not line up with the
+/// target), against 4.1 GB/s for copy_file_range where source and target
+/// offsets agree within a page (2.6 where they do not), 3.0 GB/s through a
+/// read buffer, and 0.8-1.8 GB/s, erratically, for 4 MiB writes.
 const WRITE_STEP: usize = 512 << 10;
 
 thread_local! {

@@ -595,20 +595,3 @@ fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
         }
     }
 }
-
-/// A new file is sized with its blocks reserved where the file system can,
-/// and reported as not done (for the caller to extend it) where it cannot.
-#[test]
-fn preallocate_sizes_a_new_file() {
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("out");
-    let file = fs::File::create(&path).unwrap();
-    let reserved = crate::files::preallocate(&file, 1 << 20).unwrap();
-    if reserved {
-        assert_eq!(fs::metadata(&path).unwrap().len(), 1 << 20);
-        assert!(fs::read(&path).unwrap().iter().all(|&b| b == 0));
-    } else {
-        assert_eq!(fs::metadata(&path).unwrap().len(), 0);
-    }
-    assert!(!crate::files::preallocate(&file, 0).unwrap());
-}

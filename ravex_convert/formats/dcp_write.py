@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import CopyJob, Target
-from .._output import Options, allocate, fsync_dir, fsync_fd, out_dtype, staged
+from .._output import Options, fsync_dir, fsync_fd, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, PickleDict, PickleGlobal, PickleObject, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import RavexError
 from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize
@@ -428,7 +428,7 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, m
         try:
             for r, path in enumerate(paths):
                 fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
-                allocate(fds[r], plan.file_sizes[r])
+                os.ftruncate(fds[r], plan.file_sizes[r])
                 for it in per_rank[r]:
                     it.layout.base = it.file_offset
                     it.layout.write_small(fds[r])

@@ -36,7 +36,7 @@ from typing import Any
 
 from .. import _core
 from .._engine import CopyJob, Target, flat_range
-from .._output import Options, allocate, fsync_dir, fsync_fd, out_dtype
+from .._output import Options, fsync_dir, fsync_fd, out_dtype
 from .._tagged import encode
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError
 from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, itemsize, numel
@@ -493,8 +493,7 @@ def _write_data(tmp: Path, rel_dir: str, outs: list[_Out], compression: str | No
             path, head = tmp / f"rank{rank:05d}.raw.tmp", b""  # the uncompressed bytes, framed below
         with open(path, "wb") as f:
             f.write(head)
-            f.flush()
-            allocate(f.fileno(), len(head) + sum(o.nbytes for o in chunks))
+            f.truncate(len(head) + sum(o.nbytes for o in chunks))
         ti = job.target(path)
         pos = len(head)
         for o in chunks:

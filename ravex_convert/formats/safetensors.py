@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import CopyJob, Target
-from .._output import Options, allocate, out_dtype, staged
+from .._output import Options, out_dtype, staged
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize
@@ -269,8 +269,7 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
             size = len(head) + sum(t.numel * itemsize(out_dtype(t, opts)) for t in shard)
             with open(path, "wb") as f:
                 f.write(head)
-                f.flush()
-                allocate(f.fileno(), size)
+                f.truncate(size)
             total += size
             ti = job.target(path)
             for t, off in zip(shard, offsets):

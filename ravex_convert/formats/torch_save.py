@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import CopyJob, Target, page_residue
-from .._output import Options, allocate, fsync_fd, out_dtype, staged
+from .._output import Options, fsync_fd, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from .._torchzip import TorchArchive, is_torch_zip, open_archive
 from .._unpickle import TensorRef
@@ -375,7 +375,7 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
     with staged(dst, opts.force) as tmp:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            allocate(fd, layout.size)
+            os.ftruncate(fd, layout.size)
             layout.write_small(fd)
             ti = job.target(tmp)
             for name, t in ckpt.tensors.items():

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import PAGE, CopyJob, Target, page_residue, vote_residue
-from .._output import allocate, fsync_fd
+from .._output import fsync_fd
 from .._torchwrite import StorageOut, TensorOut, ZipLayout, dumps
 from ..model import Checkpoint, Region, itemsize, numel
 from .zero_layout import Piece, flat_group_pieces, stage3_partition, stage3_pieces
@@ -242,7 +242,7 @@ def write_archives(ckpt: Checkpoint, root: Path, archives: list[ArchiveOut], pro
         for path, layout in zip(paths, layouts):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             fds.append(fd)
-            allocate(fd, layout.size)
+            os.ftruncate(fd, layout.size)
             layout.write_small(fd)
         job = CopyJob()
         for path in paths:
