@@ -195,9 +195,8 @@ def page_residue(tensor: LogicalTensor, region: Region, dtype: str) -> tuple[int
     ``dtype`` should start so that its bytes sit at the same offset within a page
     as in the source file that holds most of them, and how many bytes that is.
 
-    Writes from a source mapping whose pages line up with the target's run
-    about 8% faster (each write reads whole source pages into whole target
-    pages); zip-based writers pad their records to the residue this returns.
+    Each copy step then reads whole source pages into whole target pages;
+    zip-based writers pad their records to the residue this returns.
     None when no same-dtype, uncompressed file chunk holds a contiguous part of
     the region (a cast, or inline data)."""
     want = flat_range(region, tensor.shape)

@@ -536,7 +536,7 @@ fn crcs_of_ranges_not_tiled_are_none() {
 fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
     use crate::exec::{combine_crcs, execute_with_crcs};
     let dir = TempDir::new().unwrap();
-    let n: u64 = 300_000; // f32 elements: 1.2 MB, over two 512 KiB steps, several pieces per window
+    let n: u64 = 300_000; // f32 elements: 1.2 MB, many 64 KiB steps, several pieces per window
     let data: Vec<u8> = (0..n)
         .flat_map(|i| ((i * 2654435761) as f32).to_le_bytes())
         .collect();
@@ -554,7 +554,7 @@ fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
             (src_off + 4096, true),
             (100, false),
             (4097, true),
-            ((512 << 10) - 8, false),
+            ((64 << 10) - 8, false),
         ] {
             let len = want.len() as u64;
             let targets = blank(
