@@ -470,11 +470,10 @@ fn run(
     let pool = pool(options.threads)?;
     let cut = Cut::new(options.window_bytes, pool.current_num_threads())?;
     let summary = std::thread::scope(|scope| {
-        // Early write-back runs on a thread of its own: asking the kernel to
-        // write a range can wait for the device, and a copy thread that
-        // waited there stalled the copy (5 GB into one file: 2.5-6.9 s with
-        // the request on the copy threads, 1.7-2.2 s with none; 2.5 GB: 0.7
-        // s with it, 1.0 s with none).
+        // Early write-back runs on a thread of its own, as asking the kernel
+        // to write a range can wait for the device and a copy thread should
+        // not. (Early write-back itself, measured durable into one 2.5 GB
+        // file: 0.74-0.79 s with it, 1.04-1.11 s without.)
         let (tx, rx) = mpsc::channel::<(usize, u64, u64)>();
         let flusher = options.writeback.then(|| {
             let targets = &targets;
