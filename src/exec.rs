@@ -581,7 +581,6 @@ fn run_piece(
             // every write but a piece's first and last covers whole pages.
             let at = p.dst_off + done as u64;
             let len = (WRITE_STEP - (at % WRITE_STEP as u64) as usize).min(src.len() - done);
-            let step = &src[done..done + len];
             match sources[p.src].file() {
                 Some(file) => CAST_BUFFER.with(|buf| {
                     let mut buf = buf.borrow_mut();
@@ -604,6 +603,7 @@ fn run_piece(
                     Ok::<(), Error>(())
                 })?,
                 _ => {
+                    let step = &src[done..done + len];
                     write_at(step, at)?;
                     if crcs.is_some() {
                         hasher.update(step);
