@@ -10,28 +10,39 @@ success, 1 "difference found" (verify), 2 or more for errors (see
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 import ravex_convert
 from ravex_convert.errors import RavexError
 from ravex_convert.info import CheckpointInfo
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def _say(line: str, *, stderr: bool = False) -> None:
+    """One plain line: no markup, no wrapping (rich is imported only for tables and the progress bar)."""
+    click.echo(line, err=stderr)
+
+
+@functools.cache
+def _console(stderr: bool = False) -> Console:
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
 def _fail(exc: RavexError) -> NoReturn:
-    err.print(f"error: {exc.message}", markup=False)
+    _say(f"error: {exc.message}", stderr=True)
     if exc.hint:
-        err.print(f"hint: {exc.hint}", markup=False)
+        _say(f"hint: {exc.hint}", stderr=True)
     sys.exit(exc.exit_code)
 
 
@@ -150,14 +161,14 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
         click.echo(json.dumps(result, indent=2, default=str))
         return
     for note in result.get("notes", []):
-        err.print(f"note: {note}", markup=False)
+        _say(f"note: {note}", stderr=True)
     if result.get("dry_run"):
-        out.print(f"plan: {result['source_format']} -> {to} at {dst}: {result['tensors']} tensors ({result['aliases']} aliases), "
-                  f"{_human_bytes(result['bytes_read'])} read from {result['source_files']} file(s), "
-                  f"{_human_bytes(result['bytes_written'])} written, {result['runs']} copy runs; nothing written (--dry-run)", markup=False)
+        _say(f"plan: {result['source_format']} -> {to} at {dst}: {result['tensors']} tensors ({result['aliases']} aliases), "
+             f"{_human_bytes(result['bytes_read'])} read from {result['source_files']} file(s), "
+             f"{_human_bytes(result['bytes_written'])} written, {result['runs']} copy runs; nothing written (--dry-run)")
         return
-    out.print(f"wrote {dst} ({to}): {result.get('tensors')} tensors, {_human_bytes(int(result.get('bytes', result.get('bytes_written', 0))))} "
-              f"in {result.get('seconds', 0):.2f} s", markup=False)
+    _say(f"wrote {dst} ({to}): {result.get('tensors')} tensors, {_human_bytes(int(result.get('bytes', result.get('bytes_written', 0))))} "
+         f"in {result.get('seconds', 0):.2f} s")
 
 
 @main.command("reshard")
@@ -202,11 +213,11 @@ def verify_cmd(a: str, b: str, weights_only: bool, atol: float, rtol: float, as_
         click.echo(json.dumps(result.to_json(), indent=2))
     elif result.identical:
         how = "bit-identical" if result.exact else f"equal within atol={atol}, rtol={rtol}"
-        out.print(f"identical: {result.compared} tensors, {result.elements:,} elements {how}", markup=False)
+        _say(f"identical: {result.compared} tensors, {result.elements:,} elements {how}")
     else:
         first = result.differences[0]
         where = f" (first at {first.first_index}, max |a-b| {first.max_abs_diff:.6g})" if first.first_index is not None and first.max_abs_diff is not None else ""
-        out.print(f"different: {len(result.differences)} tensor(s) differ; first: {first.name}: {first.detail}{where}", markup=False)
+        _say(f"different: {len(result.differences)} tensor(s) differ; first: {first.name}: {first.detail}{where}")
     sys.exit(0 if result.identical else 1)
 
 
@@ -223,18 +234,33 @@ def _read_names(path: str | None) -> list[str] | None:
 @contextlib.contextmanager
 def _progress(quiet: bool) -> Iterator[Callable[[int], None] | None]:
     """A rich progress bar on stderr (bytes, rate, ETA); none when quiet or not a terminal."""
-    if quiet or not err.is_terminal:
+    if quiet or not sys.stderr.isatty():
         yield None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=err, transient=True) as bar:
-        task = bar.add_task("converting", total=None)
-        yield lambda n: bar.advance(task, n)
+                  TimeRemainingColumn(), console=_console(stderr=True), transient=True) as bar:
+        yield _Bar(bar, bar.add_task("converting", total=None))
+
+
+class _Bar:
+    """The progress callback ``ravex_convert`` takes: bytes written, and the total each copy job adds."""
+
+    def __init__(self, bar: Any, task: Any) -> None:
+        self.bar, self.task, self.total = bar, task, 0
+
+    def __call__(self, n: int) -> None:
+        self.bar.advance(self.task, n)
+
+    def add_total(self, n: int) -> None:
+        self.total += n
+        self.bar.update(self.task, total=self.total)
 
 
 def _render(info: CheckpointInfo, tensors: bool) -> None:
+    from rich.table import Table
+
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_column()
@@ -274,24 +300,24 @@ def _render(info: CheckpointInfo, tensors: bool) -> None:
     for k, v in rows:
         if k:
             summary.add_row(k, str(v))
-    out.print(summary)
+    _console().print(summary)
 
     files = Table(title="files", title_justify="left", show_edge=False)
     for col in ("file", "role", "rank", "size"):
         files.add_column(col, justify="right" if col in ("rank", "size") else "left")
     for f in info.files:
         files.add_row(f.path, f.role, "" if f.rank is None else str(f.rank), _human_bytes(f.bytes))
-    out.print(files)
+    _console().print(files)
     if tensors:
         table = Table(title="tensors", title_justify="left", show_edge=False)
         for col in ("name", "kind", "dtype", "shape"):
             table.add_column(col)
         for t in info.tensors:
             table.add_row(t.name, t.kind, t.dtype, str(tuple(t.shape)))
-        out.print(table)
+        _console().print(table)
     for note in info.notes:
-        err.print(f"note: {note}", markup=False)
-    err.print("detected because: " + "; ".join(info.reasons), markup=False)
+        _say(f"note: {note}", stderr=True)
+    _say("detected because: " + "; ".join(info.reasons), stderr=True)
 
 
 @main.command("status")
@@ -310,8 +336,10 @@ def status_cmd(path: str | None, as_json: bool) -> None:
     except RavexError as exc:
         _fail(exc)
     if as_json:
-        out.print(json.dumps(st, indent=2), markup=False)
+        _say(json.dumps(st, indent=2))
         return
+    from rich.table import Table
+
     table = Table(title=f"store {st['store']}", title_justify="left", show_edge=False)
     for col in ("index", "step", "size", "on disk", "time", "complete", "run"):
         table.add_column(col, justify="right" if col in ("index", "step", "size", "on disk") else "left")
@@ -319,9 +347,9 @@ def status_cmd(path: str | None, as_json: bool) -> None:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["created_unix"])) if isinstance(c["created_unix"], (int, float)) else "-"
         table.add_row(str(c["index"]), str(c["step"]), _human_bytes(int(c["bytes"] or 0)), _human_bytes(c["bytes_on_disk"]), when,
                       "yes" if c["complete"] else f"no ({c['problem']})", str(c["run_id"]))
-    out.print(table)
+    _console().print(table)
     resume = st["resume"]
-    out.print("resume would pick: " + (f"checkpoint {resume}" if resume is not None else "nothing (a run starts from the beginning)"), markup=False)
+    _say("resume would pick: " + (f"checkpoint {resume}" if resume is not None else "nothing (a run starts from the beginning)"))
 
 if __name__ == "__main__":
     main()

@@ -110,7 +110,9 @@ class CopyJob:
 
     def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20,
             crc_ranges: list[tuple[int, int, int]] | None = None, threads: int = 0, writeback: bool | None = None) -> dict[str, int]:
-        """Execute in batches of about ``batch_bytes`` so a progress bar can move.
+        """Execute in batches of about ``batch_bytes`` so a progress bar can move:
+        ``progress(n)`` after each batch, with the bytes it wrote, and first
+        ``progress.add_total(bytes)`` where ``progress`` has that method.
         With ``crc_ranges`` (target, offset, length), ``self.crcs`` gets each
         range's CRC-32, gathered while copying (a zip entry's CRC without
         reading the output again). With ``writeback`` (the default: every
@@ -143,9 +145,13 @@ class CopyJob:
                 progress(size)
             batch, size = [], 0
 
-        for t in self.tensors:
+        sizes = [sum((r[2][2] if r[2][0] == "flat" else _prod(r[2][2])) * itemsize(r[3]) for r in t[2]) for t in self.tensors]
+        add_total = getattr(progress, "add_total", None)
+        if callable(add_total):
+            add_total(sum(sizes))
+        for t, n in zip(self.tensors, sizes):
             batch.append(t)
-            size += sum((r[2][2] if r[2][0] == "flat" else _prod(r[2][2])) * itemsize(r[3]) for r in t[2])
+            size += n
             if size >= batch_bytes:
                 flush()
         flush()

@@ -71,6 +71,10 @@ def convert(
 
     Returns a summary (tensors, bytes, files, seconds; with ``dry_run`` the plan
     instead, and nothing is written). Raises :class:`RavexError` subclasses.
+    ``progress``, if given, is called with the number of bytes written after
+    each batch of about 256 MiB; if it also has an ``add_total(n)`` method,
+    that is called before each copy job with the bytes the job will write (a
+    conversion runs one job, or a few), so a bar can show an ETA.
     With ``sync=False`` (``--no-sync``) the output is renamed into place without
     waiting for it to reach the disk, as ``cp`` does: faster, but an OS crash or
     power cut soon after can leave a DST that looks complete and is not.

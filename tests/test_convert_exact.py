@@ -340,3 +340,35 @@ def test_no_sync_flag_on_the_command_line(tmp_path: Path) -> None:
     res = run_ravex("reshard", DATA / "fsdp2_ws2" / "checkpoint", tmp_path / "out", "--world-size", "3", "--no-sync", "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["synced"] is False
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch_save", "native", "dcp", "zero"])
+def test_progress_is_told_the_total_before_the_bytes(to: str, tmp_path: Path) -> None:
+    import ravex_convert
+
+    events: list[tuple[str, int]] = []
+
+    class Bar:
+        def __call__(self, n: int) -> None:
+            events.append(("done", n))
+
+        def add_total(self, n: int) -> None:
+            events.append(("total", n))
+
+    kw: dict[str, Any] = {"zero_stage": 2} if to == "zero" else {}
+    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", tmp_path / "out", to, world_size=2, progress=Bar(), **kw)
+    assert events and events[0][0] == "total", events
+    # every job announces its bytes before it writes them, and writes exactly those
+    announced = done = 0
+    for kind, n in events:
+        if kind == "total":
+            assert done == announced, events
+            announced += n
+        else:
+            done += n
+            assert done <= announced, events
+    assert done == announced > 0, events
+    # a plain callable (no add_total) still works
+    seen: list[int] = []
+    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", tmp_path / "out2", to, world_size=2, progress=seen.append, **kw)
+    assert sum(seen) == done
