@@ -88,12 +88,37 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Pickler:
-    def __init__(self) -> None:
+    """With ``memo``, each class name and string is written once and fetched
+    from the pickle memo after that (``BINPUT``/``BINGET``), as pickle itself
+    does; without it, the opcodes torch.save writes for a state dict."""
+
+    def __init__(self, memo: bool = False) -> None:
         self.out = io.BytesIO()
         self.w = self.out.write
+        self.memo: dict[Any, int] | None = {} if memo else None
+
+    def _fetch(self, key: Any) -> bool:
+        """Push a memoized value (True), or memoize the value just written (False)."""
+        memo = self.memo
+        if memo is None:
+            return False
+        idx = memo.get(key)
+        if idx is not None:
+            self.w(b"h" + bytes([idx]) if idx < 256 else b"j" + struct.pack("<I", idx))
+            return True
+        return False
+
+    def _put(self, key: Any) -> None:
+        memo = self.memo
+        if memo is not None:
+            idx = memo[key] = len(memo)
+            self.w(b"q" + bytes([idx]) if idx < 256 else b"r" + struct.pack("<I", idx))
 
     def global_(self, module: str, name: str) -> None:
-        self.w(b"c" + module.encode() + b"\n" + name.encode() + b"\n")
+        key = ("global", module, name)
+        if not self._fetch(key):
+            self.w(b"c" + module.encode() + b"\n" + name.encode() + b"\n")
+            self._put(key)
 
     def save(self, v: Any, path: str) -> None:
         w = self.w
@@ -112,8 +137,10 @@ class _Pickler:
         elif isinstance(v, float):
             w(b"G" + struct.pack(">d", v))
         elif isinstance(v, str):
-            data = v.encode("utf-8")
-            w(b"X" + struct.pack("<I", len(data)) + data)
+            if not self._fetch(v):
+                data = v.encode("utf-8")
+                w(b"X" + struct.pack("<I", len(data)) + data)
+                self._put(v)
         elif isinstance(v, bytes):
             self.global_("_codecs", "encode")
             self.save((v.decode("latin-1"), "latin1"), path)
@@ -195,8 +222,12 @@ class _Pickler:
         w(b"tR")
 
 
-def dumps(obj: Any) -> bytes:
-    p = _Pickler()
+def dumps(obj: Any, *, memo: bool = False) -> bytes:
+    """``obj`` pickled (protocol 2). ``memo`` writes repeated strings and class
+    names once: DCP's ``.metadata`` repeats every key and class name per shard.
+    The ``data.pkl`` of torch.save archives is written without it, unchanged
+    since it was checked against torch.load and DeepSpeed."""
+    p = _Pickler(memo)
     p.w(b"\x80\x02")
     p.save(obj, "state")
     p.w(b".")

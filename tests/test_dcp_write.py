@@ -443,10 +443,15 @@ def test_metadata_written_without_torch_is_what_torch_classes_pickle(name: str, 
     fixed = uuid.UUID(int=7)
     monkeypatch.setattr(dcp_write.uuid, "uuid4", lambda: fixed)
     plan = dcp_write._plan(read_checkpoint(DATA / name / "checkpoint"), Options(world_size=3))
-    mine = pickle.loads(dcp_write._metadata(plan, form))
+    data = dcp_write._metadata(plan, form)
+    mine = pickle.loads(data)
     # what torch's own pickling of those objects gives back (_StorageInfo drops its None fields)
-    want = pickle.loads(pickle.dumps(_torch_metadata(plan, form, str(fixed)), protocol=4))
+    theirs = pickle.dumps(_torch_metadata(plan, form, str(fixed)), protocol=4)
+    want = pickle.loads(theirs)
     assert mine == want
+    # class names and strings are written once and then fetched from the memo, as pickle does
+    # (measured: 0.95-0.97x torch's size on the fixtures; 3.2x without the memo)
+    assert len(data) <= 1.1 * len(theirs), (len(data), len(theirs))
     # what == leaves out: MetadataIndex.index, and each instance dict's fields in order
     assert [list(vars(k).items()) for k in mine.storage_data] == [list(vars(k).items()) for k in want.storage_data]
     assert [list(vars(v).items()) for v in mine.storage_data.values()] == [list(vars(v).items()) for v in want.storage_data.values()]

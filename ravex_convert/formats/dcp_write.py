@@ -396,7 +396,7 @@ def _metadata(plan: _Plan, form: str) -> bytes:
             storage.append((_dataclass("MetadataIndex", {"fqn": key, "index": None}), info(items[0])))
     meta: dict[str, Any] = {"checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None, "modules": []}
     return dumps(_dataclass("Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner, "storage_data": PickleDict(tuple(storage)),
-                                         "storage_meta": _dataclass("StorageMeta", meta), "version": _DCP_VERSION}))
+                                         "storage_meta": _dataclass("StorageMeta", meta), "version": _DCP_VERSION}), memo=True)
 
 
 def _file_name(rank: int) -> str:
