@@ -3,14 +3,16 @@
 //! them into pieces no larger than the copy window allows, and runs the
 //! pieces on a thread pool with positional writes into existing files.
 //!
-//! Memory: a copy without a cast writes straight from the source's memory map
-//! and needs no buffer; a cast converts one piece into a buffer of at most
-//! `window_bytes / threads` bytes, one per thread. Plans are not kept for the
-//! whole job: a first pass plans each tensor to validate and count it, and
-//! drops the plan; the second plans each tensor again just before copying it.
-//! Planning is cheap next to moving the bytes, and this way the heap holds
-//! about one window plus the plans of the tensors in flight, however many
-//! tensors and runs the checkpoint has.
+//! Memory: every copy and cast goes through one 64 KiB buffer per thread
+//! (see `WRITE_STEP`). Plans are not kept for the whole job: a first pass
+//! plans each tensor to validate and count it, and drops the plan; the second
+//! plans the tensors again, up to `ORDER_GROUP` of them at a time, puts their
+//! pieces in target order and gives each thread one stretch of it, so that
+//! threads write different files where the job has several (a file takes
+//! writes one at a time; threads sharing one spun on its lock for 15-25% of
+//! their time). Planning is cheap next to moving the bytes, and this way the
+//! heap holds the pieces of one group, however many tensors the checkpoint
+//! has.
 //!
 //! Validation happens before any byte moves: file indices, regions, the plan's
 //! coverage, casts, chunk byte ranges against file sizes, and target chunks
@@ -437,6 +439,54 @@ pub fn combine_crcs(mut pieces: Vec<WrittenCrc>, ranges: &[(usize, u64, u64)]) -
         .collect()
 }
 
+/// How many tensors' pieces are planned, put in target order and shared out
+/// among the copy threads at a time (bounds the pieces held in memory).
+const ORDER_GROUP: usize = 4096;
+
+/// The pieces of `tensors` in target order (file, then offset).
+fn ordered_pieces(
+    job: &Job<'_>,
+    sizes: Sizes<'_>,
+    cut: Cut,
+    tensors: std::ops::Range<usize>,
+) -> Result<Vec<Piece>, Error> {
+    let mut all = tensors
+        .into_par_iter()
+        .map(|t| -> Result<Vec<Piece>, Error> {
+            let plans = plan_tensor(job, t, sizes)?;
+            Ok(pieces(&job.tensors[t], &plans, cut).collect())
+        })
+        .try_reduce(Vec::new, |mut a, mut b| {
+            a.append(&mut b);
+            Ok(a)
+        })?;
+    all.sort_unstable_by_key(|p| (p.dst, p.dst_off));
+    Ok(all)
+}
+
+/// `pieces` (in target order) cut into `parts` runs of consecutive pieces
+/// with about the same bytes each, one per copy thread: each thread walks its
+/// own stretch of the targets, so two threads write the same file only where
+/// their stretches meet (a file takes writes one at a time).
+pub(crate) fn split_even(pieces: &[Piece], parts: usize) -> Vec<&[Piece]> {
+    let total: u64 = pieces.iter().map(Piece::dst_bytes).sum();
+    let parts = parts.max(1) as u64;
+    let mut out = Vec::new();
+    let (mut start, mut acc, mut k) = (0usize, 0u64, 1u64);
+    for (i, p) in pieces.iter().enumerate() {
+        acc += p.dst_bytes();
+        if k < parts && acc * parts >= total * k {
+            out.push(&pieces[start..=i]);
+            start = i + 1;
+            k += 1;
+        }
+    }
+    if start < pieces.len() {
+        out.push(&pieces[start..]);
+    }
+    out
+}
+
 /// Asks the kernel to start writing `len` bytes at `offset` of the file to
 /// disk, without waiting (best effort: an error here shows up at the fsync).
 #[cfg(target_os = "linux")]
@@ -486,11 +536,17 @@ fn run(
         let tx = flusher.is_some().then_some(tx);
         let copied = pool.install(|| {
             let summary = validate(job, sizes, cut)?;
-            (0..job.tensors.len()).into_par_iter().try_for_each(|t| {
-                let plans = plan_tensor(job, t, sizes)?;
-                pieces(&job.tensors[t], &plans, cut)
-                    .try_for_each(|p| run_piece(&p, &sources, &targets, job, crcs, tx.as_ref()))
-            })?;
+            let n = job.tensors.len();
+            for first in (0..n).step_by(ORDER_GROUP) {
+                let all = ordered_pieces(job, sizes, cut, first..n.min(first + ORDER_GROUP))?;
+                split_even(&all, pool.current_num_threads())
+                    .into_par_iter()
+                    .try_for_each(|part| {
+                        part.iter().try_for_each(|p| {
+                            run_piece(p, &sources, &targets, job, crcs, tx.as_ref())
+                        })
+                    })?;
+            }
             Ok::<_, Error>(summary)
         });
         drop(tx);

@@ -12,7 +12,9 @@ use tempfile::TempDir;
 
 use crate::compare::{compare, Tolerance};
 use crate::dtype::DType;
-use crate::exec::{build_pieces, execute, plan_summary, Job, Options, Sizes, TensorJob};
+use crate::exec::{
+    build_pieces, execute, plan_summary, split_even, Job, Options, Piece, Sizes, TensorJob,
+};
 use crate::files::{ChunkRef, Source};
 
 use crate::geometry::{numel, Region};
@@ -592,6 +594,33 @@ fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
                 vec![Some(crc32fast::hash(want))],
                 "{dst_off}"
             );
+        }
+    }
+}
+
+proptest! {
+    /// The copy threads' shares: consecutive stretches of the pieces, in order, none empty,
+    /// at most one per thread, each within one piece of an even share of the bytes.
+    #[test]
+    fn threads_share_the_pieces_in_order_and_evenly(
+        lens in prop::collection::vec(0u64..5000, 0..60),
+        parts in 1usize..9,
+    ) {
+        let pieces: Vec<Piece> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &elems)| Piece { src: 0, src_off: 0, dst: i / 7, dst_off: (i % 7) as u64 * 8, elems, from: DType::F32, to: DType::F32 })
+            .collect();
+        let shares = split_even(&pieces, parts);
+        prop_assert!(shares.len() <= parts);
+        prop_assert!(shares.iter().all(|s| !s.is_empty()));
+        let joined: Vec<Piece> = shares.iter().flat_map(|s| s.iter().copied()).collect();
+        prop_assert_eq!(joined, pieces.clone());
+        let total: u64 = pieces.iter().map(Piece::dst_bytes).sum();
+        let largest = pieces.iter().map(Piece::dst_bytes).max().unwrap_or(0);
+        for s in &shares {
+            let bytes: u64 = s.iter().map(Piece::dst_bytes).sum();
+            prop_assert!(bytes <= total / parts as u64 + largest + 1, "{bytes} of {total} in {parts} parts");
         }
     }
 }
