@@ -819,8 +819,8 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
           if e["cases"].get(k, {}).get("peak_anon_kb")]
     if rv:
         obs.append(f"**Ravex's peak anonymous memory** was {_rng(rv, '{:.0f}')} MiB in every Ravex run, at both sizes and for "
-                   "both inputs: the whole `ravex` process (Python, click and the executor, which writes straight from the "
-                   "mmap'd input and allocates no per-tensor buffers). Its max RSS is larger (up to the size of what it "
+                   "both inputs: the whole `ravex` process (Python, click and the executor, which copies through one 64 KiB "
+                   "buffer per thread and allocates no per-tensor buffers). Its max RSS is larger (up to the size of what it "
                    "read) because `ru_maxrss` counts the mmap'd input's page-cache pages while mapped; those are cache, "
                    "not allocations, and the kernel can drop them at any time.")
     loads = [statistics.median(c["other_cpu"]) for _, _, e in inputs for c in e["cases"].values() if c["other_cpu"]]
