@@ -41,6 +41,7 @@ and docs/benchmarks.md (``--render RESULTS.json`` rewrites the doc from saved re
 from __future__ import annotations
 
 import argparse
+import compileall
 import datetime as dt
 import json
 import os
@@ -113,6 +114,9 @@ def pin_ravex(work: str) -> dict:
     dst = os.path.join(work, "pinned-ravex")
     for pkg in RAVEX_PKGS:
         shutil.copytree(os.path.join(site, pkg), os.path.join(dst, pkg), ignore=shutil.ignore_patterns("__pycache__"))
+    # Byte-compile the copy, as pip does at install: where PYTHONDONTWRITEBYTECODE is set, a copy
+    # without .pyc files is compiled again by every command (measured: +60 ms a run).
+    compileall.compile_dir(dst, quiet=1)
     PINNED = dst
     core = [f for f in os.listdir(os.path.join(site, "ravex_convert")) if f.startswith("_core.") and f.endswith(".so")]
     mtime = os.path.getmtime(os.path.join(site, "ravex_convert", core[0])) if core else 0
