@@ -213,6 +213,13 @@ def _cpu_busy_s() -> float:
     return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def _steal_s() -> float:
+    """CPU-seconds the hypervisor has taken from this VM's CPUs (steal), from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = f.readline().split()
+    return int(v[8]) / os.sysconf("SC_CLK_TCK") if len(v) > 8 else 0.0
+
+
 def wait_idle(max_wait: float) -> float:
     """Wait until other processes keep less than 0.3 CPU busy (over 0.5 s), at most max_wait s.
     Returns the seconds waited."""
@@ -234,12 +241,13 @@ class Run:
     cpu_s: float  # user+sys of the command's tree
     other_cpu: float  # average CPUs kept busy by everything else during the run
     samples: int
+    steal_s: float = 0.0  # CPU time the hypervisor took from the VM during the run (part of other_cpu)
 
 
 def measure(argv: list[str], env: dict, logf, cwd: str | None = None) -> Run:
     logf.write(("\n$ " + " ".join(argv) + "\n").encode())
     logf.flush()
-    busy0 = _cpu_busy_s()
+    busy0, steal0 = _cpu_busy_s(), _steal_s()
     t0 = time.perf_counter()
     p = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
     sampler = TreeSampler(p.pid)
@@ -255,7 +263,7 @@ def measure(argv: list[str], env: dict, logf, cwd: str | None = None) -> Run:
     p.returncode = os.waitstatus_to_exitcode(status)
     cpu = ru.ru_utime + ru.ru_stime
     other = max(0.0, busy - cpu - 0.02 * wall) / wall  # minus a little for this script's sampler
-    return Run(wall, sampler.peak_kb, ru.ru_maxrss, p.returncode, cpu, other, sampler.samples)
+    return Run(wall, sampler.peak_kb, ru.ru_maxrss, p.returncode, cpu, other, sampler.samples, _steal_s() - steal0)
 
 
 def rm(path: str) -> None:
@@ -358,7 +366,8 @@ def bench_checkpoint(kind: str, src: str, work: str, logf, a, res: dict) -> None
                 runs[c.key].append(r)
             what = "warm-up" if rnd == 0 else f"run {rnd}"
             log(f"  {kind:5} {c.label:40} {what:7} {r.wall:7.2f} s  anon {r.peak_anon_kb / 1024:7.0f} MiB  "
-                f"maxrss {r.maxrss_kb / 1024:7.0f} MiB  other-load {r.other_cpu:4.2f}" + ("" if ok else f"  FAILED rc={r.rc}"))
+                f"maxrss {r.maxrss_kb / 1024:7.0f} MiB  other-load {r.other_cpu:4.2f}  steal {r.steal_s:4.2f} s"
+                + ("" if ok else f"  FAILED rc={r.rc}"))
             rm(c.dst)
             os.sync()
             if not ok:
@@ -375,6 +384,7 @@ def bench_checkpoint(kind: str, src: str, work: str, logf, a, res: dict) -> None
             "warmup_wall": warm[c.key].wall if c.key in warm else None,
             "wall": [r.wall for r in rs], "peak_anon_kb": [r.peak_anon_kb for r in rs], "maxrss_kb": [r.maxrss_kb for r in rs],
             "cpu_s": [r.cpu_s for r in rs], "other_cpu": [r.other_cpu for r in rs], "samples": [r.samples for r in rs],
+            "steal_s": [r.steal_s for r in rs],
         }
     entry["idle_wait_s"] = waits
     # where Ravex's time goes (untimed diagnostic, one run each)
@@ -834,6 +844,13 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
                    f"2 CPUs busy during the timed runs; for {busy} of {len(loads)} commands the median run had ≥ 0.5 CPU "
                    "taken by other work. Read single ratios with that in mind (the min of each range is the least disturbed "
                    "run); the phase breakdown is a single run and noisier still.")
+    steals = [(c["label"], w, st) for _, _, e in inputs for c in e["cases"].values()
+              for w, st in zip(c["wall"], c.get("steal_s", [])) if st >= 0.05]
+    if any(c.get("steal_s") for _, _, e in inputs for c in e["cases"].values()):
+        worst = sorted(steals, key=lambda x: -x[2])[:4]
+        obs.append(f"**Steal**: in {len(steals)} timed runs the hypervisor took 0.05 s or more of this VM's CPU time (steal, counted "
+                   "in other load)" + (": " + "; ".join(f"{lab} {w:.2f} s with {st:.2f} s stolen" for lab, w, st in worst)
+                                       if worst else "") + ".")
     return obs
 
 
