@@ -3,8 +3,9 @@
 //! them into pieces no larger than the copy window allows, and runs the
 //! pieces on a thread pool with positional writes into existing files.
 //!
-//! Memory: every copy and cast goes through one 64 KiB buffer per thread
-//! (see `WRITE_STEP`). Plans are not kept for the whole job: a first pass
+//! Memory: copies from files and casts go through one 64 KiB buffer per
+//! thread (see `WRITE_STEP`); in-memory sources are written from their own
+//! bytes. Plans are not kept for the whole job: a first pass
 //! plans each tensor to validate and count it, and drops the plan; the second
 //! plans the tensors again, up to `ORDER_GROUP` of them at a time, puts their
 //! pieces in target order and gives each thread one stretch of it, so that
