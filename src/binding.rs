@@ -348,7 +348,8 @@ const _: () = assert!(DEFAULT_WINDOW_BYTES == 67108864);
 /// `sources` are paths (mapped read-only) or `bytes`; each tensor is
 /// `(shape, src_chunks, dst_chunks)` with chunks as `(file index, byte
 /// offset, region, dtype)`. Runs on `threads` threads (0: one per CPU),
-/// holding at most about `window_bytes` of copy buffers; fsyncs every target
+/// in pieces of at most `window_bytes / threads` bytes copied through one
+/// 64 KiB buffer per thread; fsyncs every target
 /// at the end when `sync`. Returns `bytes_read`, `bytes_written`, `runs` and
 /// `pieces`. Everything is validated before the first byte moves. With
 /// `crc_ranges` (`(target index, offset, length)` tuples) it also returns

@@ -34,7 +34,9 @@ use crate::files::{
 };
 use crate::plan::{plan, Chunk, TargetPlan};
 
-/// The default copy window: what the executor may hold in memory at once.
+/// The default copy window: runs are cut into pieces of at most
+/// `window_bytes / threads` bytes (the bytes themselves move through one
+/// 64 KiB buffer per thread, see `WRITE_STEP`).
 pub const DEFAULT_WINDOW_BYTES: u64 = 64 << 20;
 
 /// One logical tensor: its global shape and where its chunks are on each side.
@@ -59,7 +61,8 @@ pub struct Job<'a> {
 pub struct Options {
     /// Worker threads; 0 lets rayon choose (one per CPU, or `RAYON_NUM_THREADS`).
     pub threads: usize,
-    /// The most bytes of copy buffers held at once, over all threads.
+    /// Sets the largest piece: `window_bytes / threads` bytes (not a buffer
+    /// size: copies go through one 64 KiB buffer per thread).
     pub window_bytes: u64,
     /// fsync every target after the last write.
     pub sync: bool,
@@ -131,8 +134,8 @@ pub(crate) fn pool(threads: usize) -> Result<rayon::ThreadPool, Error> {
         .map_err(|e| Error::Invalid(format!("cannot start {threads} copy threads: {e}")))
 }
 
-/// How runs are cut: the most elements one piece may hold so that a buffer
-/// for either side stays within its thread's share of the window.
+/// How runs are cut: the most elements one piece may hold, so that either
+/// side of it stays within its thread's share of the window.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cut {
     share: u64,
@@ -308,8 +311,8 @@ fn validate(job: &Job<'_>, sizes: Sizes<'_>, cut: Cut) -> Result<Summary, Error>
         })
 }
 
-/// Every piece of the job, in order (for tests: the executor never holds
-/// them all).
+/// Every piece of the job, in the executor's order (for tests: the executor
+/// holds one `ORDER_GROUP` of tensors' pieces at a time, not all of them).
 #[cfg(test)]
 pub(crate) fn build_pieces(
     job: &Job<'_>,
@@ -319,12 +322,7 @@ pub(crate) fn build_pieces(
 ) -> Result<(Vec<Piece>, u64), Error> {
     let cut = Cut::new(window_bytes, threads)?;
     let summary = validate(job, sizes, cut)?;
-    let mut all = Vec::new();
-    for t in 0..job.tensors.len() {
-        let plans = plan_tensor(job, t, sizes)?;
-        let mut p: Vec<Piece> = pieces(&job.tensors[t], &plans, cut).collect();
-        all.append(&mut p);
-    }
+    let all = ordered_pieces(job, sizes, cut, 0..job.tensors.len())?;
     Ok((all, summary.stats.runs))
 }
 
