@@ -276,7 +276,7 @@ def main() -> None:
     if os.path.exists(work):
         R.rm(work)
     os.makedirs(work)
-    res: dict = {"started": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size_gb": a.size, "runs": a.runs,
+    res: dict = {"started": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "size_gb": a.size, "runs": a.runs,
                  "loadavg_start": R.loadavg(), "machine": R.machine(), "versions": R.versions(),
                  "inputs": {}, "gen": {}}
     logpath = os.path.join(work, "commands.log")

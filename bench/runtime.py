@@ -273,7 +273,7 @@ def main() -> None:
     work = os.path.abspath(a.workdir)
     R.rm(work)
     os.makedirs(work)
-    res: dict = {"started": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(a), "loadavg_start": R.loadavg(),
+    res: dict = {"started": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(a), "loadavg_start": R.loadavg(),
                  "machine": R.machine(), "versions": R.versions(), "on": [], "off": []}
     with open(os.path.join(work, "runs.log"), "ab") as logf:
         for i in range(a.repeats):

@@ -47,7 +47,8 @@ class EMA:
 @ravex.train_loop(preemption_handler=True)
 def train():
     random.seed(0); np.random.seed(0); torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+    hidden = int(opts.get("hidden", 16))
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7) if opts.get("sched") else None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2) if opts.get("scaler") else None
@@ -61,6 +62,8 @@ def train():
     log = open(log_path, "a")
 
     def one_batch(i, x, y):
+        if opts.get("sleep_each"):
+            import time; time.sleep(opts["sleep_each"])
         noise = torch.randn(()) * 1e-3 + random.random() * 1e-3 + float(np.random.rand()) * 1e-3
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y) + noise
         if scaler is not None:
@@ -202,8 +205,11 @@ def test_max_steps_across_three_restarts(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "out-kill.json").read_text())["step"] == 14
 
 
-def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path: Path) -> None:
-    opts = {"shuffle": True, "sched": True, "sleep": 0.1}
+@pytest.mark.parametrize("accum", [1, 3])
+def test_sigterm_checkpoints_exits_cleanly_and_resumes(accum: int, tmp_path: Path) -> None:
+    # With accumulation, SIGTERM is sent in the middle of one (a micro-batch and a half after a
+    # step): the checkpoint must wait for the next step, or the partial gradients are lost.
+    opts = {"shuffle": True, "sched": True, "accum": accum, **({"sleep_each": 0.2} if accum > 1 else {"sleep": 0.1})}
     env = {"RAVEX_MAX_STEPS": "30", "RAVEX_CHECKPOINT_EVERY": "1000"}  # no periodic checkpoint: only the one SIGTERM asks for
     ref = start(tmp_path, opts, "ref", env)
     p = start(tmp_path, opts, "kill", env)
@@ -211,6 +217,8 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path: Path) -> None:
     deadline = time.time() + 60
     while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 5):
         time.sleep(0.05)
+    if accum > 1:
+        time.sleep(0.3)
     p.send_signal(signal.SIGTERM)
     res = finish(p)
     assert res.returncode == 0, res.stderr
@@ -223,6 +231,26 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tmp_path: Path) -> None:
     assert f"(step {stopped})" in res.stderr  # resumed exactly where SIGTERM stopped it
     assert losses(tmp_path, "kill") == ref_losses
     assert json.loads((tmp_path / "out-kill.json").read_text()) == ref_out
+
+
+def test_a_changed_model_stops_the_resumed_script_before_its_first_step(tmp_path: Path) -> None:
+    # The script is edited between runs (a narrower hidden layer): no checkpoint fits the new model,
+    # so the process exits non-zero with one error, trains nothing and leaves the store as it was.
+    env = {"RAVEX_MAX_STEPS": "6", "RAVEX_CHECKPOINT_EVERY": "2", "RAVEX_KEEP_LAST": "1"}
+    res = run(tmp_path, {"shuffle": True}, "a", env)
+    assert res.returncode == 0, res.stderr
+    logged = losses(tmp_path, "a")
+    assert sorted(logged) == list(range(1, 7))
+    store = tmp_path / "store-a"
+    files = {p: p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file() and p.name != "lock"}
+    res = run(tmp_path, {"shuffle": True, "hidden": 12}, "a", {**env, "RAVEX_MAX_STEPS": "10"})
+    assert res.returncode == 1, res.stderr
+    assert res.stdout == ""
+    assert "ravex_runtime.errors.ResumeError" in res.stderr and "no checkpoint of the store can be resumed from" in res.stderr, res.stderr
+    assert "tensor 'model/0.bias' is [16] float32 in the checkpoint, [12] float32 in Sequential" in res.stderr
+    assert "hint: fix what the error names" in res.stderr
+    assert losses(tmp_path, "a") == logged  # not one step was trained
+    assert {p: p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file() and p.name != "lock"} == files
 
 
 @pytest.mark.slow

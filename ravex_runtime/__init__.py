@@ -8,5 +8,8 @@ the decorated function is called.
 from __future__ import annotations
 
 from .api import batch_boundary, checkpoint, deactivate, flush, is_active, load_weights, restore, status, step, track, train_loop
+from .errors import ResumeError
 
-__all__ = ["batch_boundary", "checkpoint", "deactivate", "flush", "is_active", "load_weights", "restore", "status", "step", "track", "train_loop"]
+__all__ = [
+    "ResumeError", "batch_boundary", "checkpoint", "deactivate", "flush", "is_active", "load_weights", "restore", "status", "step", "track", "train_loop",
+]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ravex_convert.errors import RavexError
+from ravex_convert.errors import LayoutMismatchError, RavexError
 
 from .config import enabled, load_config
 
@@ -169,7 +169,7 @@ def status() -> dict[str, Any]:
     if rt is None:
         return {"active": False, "step": 0}
     return {"active": bool(rt.active), "step": rt.step, "store": str(rt.store), "run_id": rt.run_id, "resumed_from": rt.resumed_index,
-            "resumed_step": rt.start_step if rt.resume is not None else None, "last_index": rt.last_index, "checkpoints_written": rt.writes,
+            "resumed_step": rt.start_step if rt.resume_label else None, "last_index": rt.last_index, "checkpoints_written": rt.writes,
             "error": rt.error}
 
 
@@ -184,9 +184,11 @@ def restore(path: str | Path | None = None, index: int = -1, *, weights_only: bo
         raise RavexError("ravex.restore() is called outside a @ravex.train_loop function", hint="call it inside the decorated function")
     store = Path(path) if path is not None else rt.store
     ckpt, tensors = load_checkpoint(store, index)
-    rt.restored = True
-    rt.apply(ckpt, tensors, weights_only=weights_only)
+    # All or nothing: a checkpoint that does not fit the live objects raises with none of them touched
+    # (and the automatic resume, if still due, still happens at the first iteration boundary).
+    rt.apply(ckpt, tensors, weights_only=weights_only, where=f"checkpoint {ckpt.source.get('index')} (step {ckpt.step}) of {store}")
     if not weights_only:
+        rt.restored = True
         rt.step = int(ckpt.step or 0)
     return int(ckpt.step or 0)
 
@@ -199,5 +201,17 @@ def load_weights(module: Any, path: str | Path, index: int = -1, *, strict: bool
 
     ckpt, tensors = load_checkpoint(Path(path), index)
     sd = {n[len(MODEL):]: t for n, t in tensors.items() if n.startswith(MODEL)}
+    # Checked first: torch's load_state_dict copies what fits before it raises for what does not.
+    live = {k: v for k, v in module.state_dict().items() if hasattr(v, "shape")}
+    where = f"checkpoint {ckpt.source.get('index')} of {path}"
+    hint = "load into the model the checkpoint was written from, or pass strict=False to skip names that differ"
+    for k in sorted(sd.keys() & live.keys()):
+        if tuple(sd[k].shape) != tuple(live[k].shape):
+            raise LayoutMismatchError(f"{where}: tensor '{MODEL}{k}' is {list(sd[k].shape)} in the checkpoint, {list(live[k].shape)} in "
+                                      f"{type(module).__name__}; nothing was loaded", hint=hint, path=path)
+    missing, unexpected = sorted(live.keys() - sd.keys()), sorted(sd.keys() - live.keys())
+    if strict and (missing or unexpected):
+        raise LayoutMismatchError(f"{where}: {type(module).__name__} does not match the checkpoint: missing in the checkpoint {missing[:5]}, "
+                                  f"in the checkpoint but not in the model {unexpected[:5]}; nothing was loaded", hint=hint, path=path)
     module.load_state_dict(sd, strict=strict)
     return int(ckpt.step or 0)

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .runtime import Runtime, StopRun
+from .sampler import unstamped
 
 __all__ = ["apply", "patched_targets"]
 
@@ -51,6 +52,8 @@ class _Iter:
 
     def __next__(self) -> Any:
         rt = self._rt
+        if rt.fatal is not None:
+            raise rt.fatal
         if rt.counting and not rt.active and rt.at_max_steps():
             raise StopIteration
         if rt.active:
@@ -94,13 +97,17 @@ def apply(rt: Runtime) -> Callable[[], None]:
 
     def loader_iter(original: Any) -> Any:
         def wrapper(self: Any) -> Any:
+            if rt.fatal is not None:
+                raise rt.fatal  # the restore failed: no epoch may start on the state the objects are in
             if rt.at_max_steps() and rt.restored:
                 return iter(())
             if not rt.active:
-                return original(self)
+                # Checkpointing is off after a failure, but steps are still counted: the iterator still ends at max_steps.
+                plain = unstamped(self, original(self))
+                return _Iter(rt, self, plain) if rt.counting and rt.cfg.max_steps is not None else plain
             st = rt._safe(rt.notice_loader, self)
             if st is None:
-                return original(self)
+                return unstamped(self, original(self))
             try:
                 rt._safe(rt.boundary_restore_only)
             except StopRun:
@@ -108,7 +115,7 @@ def apply(rt: Runtime) -> Callable[[], None]:
             if rt.at_max_steps():
                 return iter(())
             made = rt._safe(st.make_iter, self, original, torch.get_rng_state())
-            inner = made if made is not None else original(self)
+            inner = made if made is not None else unstamped(self, original(self))
             return _Iter(rt, self, inner)
         return wrapper
 

@@ -18,22 +18,25 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ravex_convert.errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
+from ravex_convert.errors import IncompleteCheckpointError, RavexError
 from ravex_convert.model import MODEL, OBJ, OPTIM, Checkpoint
 
 from .config import Config
 from .loading import TS_FILE, load_checkpoint, load_torch_save, torch_save_files
-from .sampler import LoaderState, generators_of
-from .state import Snapshot, capture_rng, restore_rng, to_checkpoint, unflatten
+from .restore import ResumeError, restore_into
+from .sampler import LoaderState
+from .state import Snapshot, capture_rng, to_checkpoint
 
 __all__ = ["Runtime", "StopRun"]
 
 log = logging.getLogger("ravex")
+_Found = tuple[Checkpoint, dict[str, torch.Tensor]]
 _live: list[Runtime] = []  # the runtime of this process, for the fork hooks
 
 
@@ -60,6 +63,9 @@ def _after_fork_child() -> None:
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
 _WARN_AFTER_STEPS = 3
+# After SIGTERM, how many iteration boundaries without an optimizer step to wait for one.
+_PREEMPT_WAIT_BOUNDARIES = 64
+_SAME_RUN_HINT = "resume with the model, optimizer and schedulers built as the checkpointed run built them"
 # The background writer copies with one thread and at a lower CPU priority (nice +10, Linux: per
 # thread), so that training, which owns the other cores, is not slowed by its own checkpoints.
 WRITER_THREADS = 1
@@ -97,6 +103,7 @@ class Runtime:
         self.counting = True  # step counting and max_steps; off only after deactivate()
         self.preemption_handler = preemption_handler
         self.preempted = False
+        self.preempt_waits = 0
         self.step = 0
         self.start_step = 0
         self.due = False
@@ -115,8 +122,16 @@ class Runtime:
         self._module_set: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._roots_cache: tuple[tuple[int, int], list[weakref.ref[torch.nn.Module]]] | None = None
         self.hooks: list[Any] = []
-        self.resume: tuple[Checkpoint, dict[str, torch.Tensor]] | None = None
+        self.resume: _Found | None = None
         self.resumed_index: int | None = None
+        self.resume_label = ""  # "checkpoint <index> (step <step>) of <store>", for messages
+        # Older checkpoints to fall back on, newest first, loaded lazily; and the indices of this store's
+        # checkpoints that were skipped (damaged, or not restorable into the live objects).
+        self._candidates: Iterator[tuple[int | None, str, _Found]] = iter(())
+        self.unrestorable: list[int] = []
+        self.failures: list[str] = []  # why each skipped checkpoint was skipped
+        self.fatal: ResumeError | None = None  # a restore failed for good: every later boundary raises it again
+        self._warned_prune = False
         self.restored = False
         self.last_index: int | None = None
         self.last_step_written: int | None = None
@@ -149,6 +164,7 @@ class Runtime:
             raise RavexError(f"storage.path {store} exists and is not a directory", hint=f"set storage.path in {self.cfg.source} to a directory")
         store.mkdir(parents=True, exist_ok=True)
         if not (store / "ravex-store.json").is_file():
+            self._refuse_unmarked(store)
             other = [p.name for p in store.iterdir()
                      if p.name not in ("lock", "manifest.json", "checkpoints") and ".tmp-" not in p.name and not TS_FILE.fullmatch(p.name)]
             if other:
@@ -169,57 +185,102 @@ class Runtime:
         self._lock_fd = fd
         _live.append(self)
 
-    def _find_resume(self) -> tuple[Checkpoint, dict[str, torch.Tensor]] | None:
-        from ravex_convert.formats import native
+    def _refuse_unmarked(self, store: Path) -> None:
+        """A directory holding a store's manifest or checkpoints but no marker is a damaged store, not an
+        empty directory: starting over there would discard its checkpoints."""
+        held = [n for n in ("manifest.json", "checkpoints") if os.path.lexists(store / n)]
+        if held == ["checkpoints"] and (store / "checkpoints").is_dir() and not (store / "checkpoints").is_symlink() \
+                and not any((store / "checkpoints").iterdir()):
+            held = []  # an empty checkpoints/ is what an interrupted creation leaves: nothing to lose
+        if held:
+            raise IncompleteCheckpointError(
+                f"storage.path {store} holds {' and '.join(held)} of a Ravex store but not its marker ravex-store.json; "
+                "Ravex does not take it for an empty directory (that would start over and discard its checkpoints)",
+                hint=f"if it is your store, put its ravex-store.json back (a copy, or see docs/format.md section 2); "
+                     f"to start a new run, set storage.path in {self.cfg.source} to a new directory", path=store / "ravex-store.json")
 
+    def _find_resume(self) -> _Found | None:
+        """The checkpoint to resume from; ``self._candidates`` keeps the older ones a failed restore falls back on."""
         src = self.cfg.resume_from
         if isinstance(src, str) and src.endswith(".pt"):
-            return load_torch_save(Path(src))
+            return self._only(None, f"checkpoint {src}", load_torch_save(Path(src)))
         if isinstance(src, int) and self.cfg.backend == "torch_save":
             files = torch_save_files(self.store)
             found = files.get(src) if src >= 0 else (list(files.values())[src] if -src <= len(files) else None)
             if found is None:
                 raise RavexError(f"resume_from {src}: {self.store} holds no such checkpoint (it has {len(files)})", hint="use -1 for the newest")
-            self.resumed_index = int(found.name[5:13])
-            return load_torch_save(found)
+            return self._only(int(found.name[5:13]), f"checkpoint {found}", load_torch_save(found))
         if isinstance(src, str):
             p = Path(src)
             if (p / "ravex-store.json").is_file():
-                return self._newest_good(p)
+                self._candidates = self._native_candidates(p)
+                return self.next_candidate(first=True)
             if (p / "checkpoint.json").is_file():
-                ckpt, tensors = load_checkpoint(p)
-                return ckpt, tensors
+                return self._only(None, f"checkpoint {p}", load_checkpoint(p))
             raise RavexError(f"resume_from {src}: neither a Ravex store nor a checkpoint directory of one",
                              hint=f"set resume_from in {self.cfg.source} to a store, a checkpoints/<index> directory, or an index", path=p)
         if isinstance(src, int):
             ckpt, tensors = load_checkpoint(self.store, src)
-            self.resumed_index = ckpt.source.get("index")
-            return ckpt, tensors
+            index = ckpt.source.get("index")
+            return self._only(index, f"checkpoint {index} (step {ckpt.step}) of {self.store}", (ckpt, tensors))
         if self.cfg.backend == "torch_save":
-            return self._newest_torch_save()
+            self._candidates = self._torch_save_candidates()
+            return self.next_candidate(first=True)
         if not (self.store / "ravex-store.json").is_file():
             return None
-        native.read_manifest(self.store)
-        return self._newest_good(self.store)
+        self._candidates = self._native_candidates(self.store)
+        return self.next_candidate(first=True)
 
-    def _newest_good(self, store: Path) -> tuple[Checkpoint, dict[str, torch.Tensor]] | None:
+    def _only(self, index: int | None, label: str, found: _Found) -> _Found:
+        """A checkpoint the configuration names: nothing to fall back on."""
+        self.resumed_index, self.resume_label = index, label
+        log.warning("ravex: resuming from %s", label)
+        return found
+
+    def next_candidate(self, first: bool = False) -> _Found | None:
+        """The next checkpoint to try, newest first; None when there is none left."""
+        for index, label, found in self._candidates:
+            self.resumed_index, self.resume_label = index, label
+            log.warning("ravex: %s %s", "resuming from" if first else "falling back to", label)
+            return found
+        self.resumed_index = None
+        if self.failures:
+            # Every checkpoint there is was tried: never start over on a store whose checkpoints are all damaged.
+            more = f"\n  ... and {len(self.failures) - 5} older ones" if len(self.failures) > 5 else ""
+            raise ResumeError(f"{self.store}: no checkpoint of the store can be resumed from:\n  - " + "\n  - ".join(self.failures[:5]) + more,
+                              hint="fix what the error names (" + _SAME_RUN_HINT + "), restore the store from a copy, "
+                                   "or set fresh: true (RAVEX_FRESH=1) to start over", path=self.store)
+        return None
+
+    def _skipped(self, store: Path, index: int | None, why: str) -> None:
+        self.failures.append(why)
+        if store == self.store and index is not None and index not in self.unrestorable:
+            self.unrestorable.append(index)
+
+    def _native_candidates(self, store: Path) -> Iterator[tuple[int | None, str, _Found]]:
         from ravex_convert.formats import native
 
         manifest = native.read_manifest(store)
         entries = [e for e in manifest["checkpoints"] if isinstance(e, dict) and e.get("status") == "complete"]
         for e in reversed(entries):
+            index = int(e["index"])
             try:
-                ckpt, tensors = load_checkpoint(store, int(e["index"]))
-            except (CorruptCheckpointError, IncompleteCheckpointError, RavexError) as exc:
-                log.warning("ravex: checkpoint %s of %s is damaged and is skipped: %s", e.get("index"), store, exc)
+                ckpt, tensors = load_checkpoint(store, index)
+            except RavexError as exc:  # CorruptCheckpointError, IncompleteCheckpointError and the rest: skip it
+                log.warning("ravex: checkpoint %s of %s is damaged and is skipped: %s", index, store, exc)
+                self._skipped(store, index, exc.message)
                 continue
-            if store == self.store:
-                self.resumed_index = int(e["index"])
-            log.warning("ravex: resuming from checkpoint %s (step %s) of %s", e.get("index"), ckpt.step, store)
-            return ckpt, tensors
-        if entries:
-            log.warning("ravex: no checkpoint of %s could be loaded; starting from the beginning", store)
-        return None
+            yield (index if store == self.store else None), f"checkpoint {index} (step {ckpt.step}) of {store}", (ckpt, tensors)
+
+    def _torch_save_candidates(self) -> Iterator[tuple[int | None, str, _Found]]:
+        for i, path in reversed(list(torch_save_files(self.store).items())):
+            try:
+                found = load_torch_save(path)
+            except Exception as exc:  # noqa: BLE001 - torch.load reports damage in many exception types
+                log.warning("ravex: checkpoint %s is damaged and is skipped: %s", path, exc)
+                self._skipped(self.store, i, f"checkpoint {path}: {exc}")
+                continue
+            yield i, f"checkpoint {i} (step {found[0].step}) of {self.store}", found
 
     def stop(self, wrote_final: bool) -> None:
         self.flush()
@@ -299,11 +360,13 @@ class Runtime:
     def _safe(self, fn: Any, *args: Any, always: bool = False) -> Any:
         """Every hook goes through here: a failure in Ravex never reaches the training code.
         ``always``: runs while steps are counted even after checkpointing was switched off by a failure."""
+        if self.fatal is not None and always:
+            raise self.fatal  # the restore failed for good: no iteration, no step may go on
         if not (self.active or (always and self.counting)):
             return None
         try:
             return fn(*args)
-        except (StopRun, SystemExit):
+        except (StopRun, SystemExit, ResumeError):
             raise
         except Exception as exc:  # a hook must never break training
             log.exception("ravex: internal error in %s", getattr(fn, "__name__", fn))
@@ -330,12 +393,16 @@ class Runtime:
                 raise StopRun()
             return
         self.boundary_seen = True
-        self.steps_since_boundary = 0
+        stepped, self.steps_since_boundary = self.steps_since_boundary > 0, 0
         self.held = [*self._roots(), *(x for group in (self.optimizers, self.schedulers, self.scalers) for r in group if (x := r()) is not None),
                      *(x for r, _ in self.loaders if (x := r()) is not None)]
         if not self.restored:
             self.restore()
-        if self.preempted:
+        if self.preempted and not stepped and self.preempt_waits < _PREEMPT_WAIT_BOUNDARIES:
+            # Mid-way through gradient accumulation the gradients are part of the state and no
+            # checkpoint holds them: wait for the boundary after the next optimizer step.
+            self.preempt_waits += 1
+        elif self.preempted:
             self.collect()
             self.flush()
             if self.error is None:
@@ -483,7 +550,7 @@ class Runtime:
                 log.warning("ravex: %s", w)
             self.last_index = int(result["index"])
             self.writes += 1
-            if self.cfg.keep_last is not None:
+            if self.cfg.keep_last is not None and self._may_prune():
                 pinned = {self.resumed_index} if self.resumed_index is not None else set()
                 native_write.prune(self.store, self.cfg.keep_last, pinned=pinned)
 
@@ -498,23 +565,23 @@ class Runtime:
         torch_save.write(ckpt, self.store / f"ckpt-{index:08d}.pt", Options(threads=WRITER_THREADS))
         self.last_index = index
         self.writes += 1
-        if self.cfg.keep_last is not None:
+        if self.cfg.keep_last is not None and self._may_prune():
             files = torch_save_files(self.store)
             for i in list(files)[:-self.cfg.keep_last]:
                 if i != self.resumed_index:
                     files[i].unlink()
 
-    def _newest_torch_save(self) -> tuple[Checkpoint, dict[str, torch.Tensor]] | None:
-        for i, path in reversed(list(torch_save_files(self.store).items())):
-            try:
-                found = load_torch_save(path)
-            except Exception as exc:  # noqa: BLE001 - torch.load reports damage in many exception types
-                log.warning("ravex: checkpoint %s is damaged and is skipped: %s", path, exc)
-                continue
-            self.resumed_index = i
-            log.warning("ravex: resuming from checkpoint %s (step %s) of %s", i, found[0].step, self.store)
-            return found
-        return None
+    def _may_prune(self) -> bool:
+        """keep_last is not applied in a run that skipped a checkpoint of its store it could not read or
+        restore: the store is kept whole (the skipped ones for inspection, every good one) until a run
+        resumes from its newest checkpoint."""
+        if not self.unrestorable:
+            return True
+        if not self._warned_prune:
+            self._warned_prune = True
+            log.warning("ravex: keep_last is not applied in this run: checkpoint(s) %s of %s could not be read or restored, so nothing is pruned; "
+                        "inspect them with `ravex status`", ", ".join(str(i) for i in self.unrestorable), self.store)
+        return False
 
     def flush(self) -> None:
         if self._writer is not None and self._writer.is_alive():
@@ -523,84 +590,40 @@ class Runtime:
     # ------------------------------------------------------------ restore
 
     def restore(self) -> None:
-        """Put the resume checkpoint into the live objects (at the first iteration boundary)."""
+        """Put the resume checkpoint into the live objects (at the first iteration boundary), all or nothing.
+        One that does not fit them is reported and the previous complete checkpoint tried; when none is
+        left, :class:`ResumeError` stops the run before its first step."""
         self.restored = True
-        if self.resume is None:
-            return
-        ckpt, tensors = self.resume
-        self.apply(ckpt, tensors, weights_only=False)
+        try:
+            while self.resume is not None:
+                ckpt, tensors = self.resume
+                try:
+                    restore_into(self, ckpt, tensors, weights_only=False, where=self.resume_label)
+                except ResumeError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - whatever the reason, nothing was restored: try the one before
+                    why = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
+                    log.error("ravex: %s cannot be restored into this run: %s", self.resume_label, why)
+                    self._skipped(self.store, self.resumed_index, why if why.startswith(self.resume_label) else f"{self.resume_label}: {why}")
+                    self.resume = None
+                    del ckpt, tensors
+                    self.resume = self.next_candidate()
+                    continue
+                if not isinstance(ckpt.objects.get("step"), int):
+                    self.step = int(ckpt.step or 0)
+                self.start_step = self.step
+                self.resume = None  # restored: its tensors are no longer needed
+                if self.unrestorable:
+                    log.warning("ravex: resumed from %s, not from the newest checkpoint: %s could not be used (see above)", self.resume_label,
+                                ", ".join(str(i) for i in self.unrestorable))
+                return
+        except ResumeError as exc:
+            self.fatal = exc
+            self.error = exc.message
+            self.active = self.counting = False
+            log.error("ravex: the run stops before its first step: %s", exc.message.splitlines()[0])
+            raise
 
-    def apply(self, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], weights_only: bool) -> None:
-        objs = {k: unflatten(v, tensors) for k, v in ckpt.objects.items()}
-        roots = self._roots()
-        for i, m in enumerate(roots):
-            prefix = MODEL if i == 0 else f"{OBJ}model.{i}/"
-            sd = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
-            if sd:
-                missing, unexpected = m.load_state_dict(sd, strict=False)
-                if missing or unexpected:
-                    log.warning("ravex: restoring %s: missing %s, unexpected %s", type(m).__name__, list(missing)[:5], list(unexpected)[:5])
-        if weights_only:
-            return
-        names = self._param_names(roots)
-        opts = [o for r in self.optimizers if (o := r()) is not None]
-        for i, opt in enumerate(opts):
-            if i == 0 and "optim.param_groups" in objs:
-                self._restore_optimizer(opt, objs, tensors, names)
-            elif f"optimizer.{i}" in objs:
-                opt.load_state_dict(objs[f"optimizer.{i}"])
-        for i, s in enumerate(x for r in self.schedulers if (x := r()) is not None):
-            key = "lr_scheduler" if i == 0 else f"lr_scheduler.{i}"
-            if key in objs:
-                s.load_state_dict(objs[key])
-        for i, s in enumerate(x for r in self.scalers if (x := r()) is not None):
-            key = "loss_scaler" if i == 0 else f"loss_scaler.{i}"
-            if key in objs:
-                s.load_state_dict(objs[key])
-        for name, obj in self.tracked.items():
-            saved = (objs.get("tracked") or {}).get(name)
-            if saved is None:
-                log.warning("ravex: tracked object %r is not in the checkpoint; it starts fresh", name)
-            else:
-                obj.load_state_dict(saved)
-        if "rng" in objs:
-            restore_rng(objs["rng"])
-        for i, (r, st) in enumerate(self.loaders):
-            ld = r()
-            saved_l = (objs.get("loaders") or [])
-            if ld is not None and i < len(saved_l) and saved_l[i] is not None:
-                # Generators of a loader not yet iterated: their checkpoint state now; the position at its next iter().
-                st.pending = saved_l[i]
-                gens = generators_of(ld)
-                for k, g in gens.items():
-                    if k in saved_l[i].get("generators", {}):
-                        g.set_state(saved_l[i]["generators"][k])
-        if isinstance(objs.get("step"), int):
-            self.step = objs["step"]
-
-    def _restore_optimizer(self, opt: Any, objs: dict[str, Any], tensors: dict[str, torch.Tensor], names: dict[int, str]) -> None:
-        live = opt.state_dict()
-        saved_groups = objs["optim.param_groups"]
-        if len(saved_groups) != len(live["param_groups"]):
-            raise RavexError(f"the optimizer has {len(live['param_groups'])} parameter groups, the checkpoint {len(saved_groups)}",
-                             hint="build the optimizer as the checkpointed run did")
-        pnames: list[str] = []
-        for g in opt.param_groups:
-            for p in g["params"]:
-                pnames.append(names.get(id(p), f"param.{len(pnames)}"))
-        by_name: dict[str, dict[str, Any]] = {}
-        for n, t in tensors.items():
-            if n.startswith(OPTIM):
-                _, key, fqn = n.split("/", 2)
-                by_name.setdefault(fqn, {})[key] = t
-        for fqn, sc in (objs.get("optim.scalars") or {}).items():
-            by_name.setdefault(fqn, {}).update(sc)
-        state = {i: by_name[n] for i, n in enumerate(pnames) if n in by_name}
-        groups = []
-        for lg, sg in zip(live["param_groups"], saved_groups):
-            if len(sg["params"]) != len(lg["params"]):
-                raise RavexError("a parameter group of the optimizer differs in size from the checkpoint's", hint="build the optimizer as the checkpointed run did")
-            g = dict(lg)
-            g.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
-            groups.append(g)
-        opt.load_state_dict({"state": state, "param_groups": groups})
+    def apply(self, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], weights_only: bool, where: str = "the checkpoint") -> None:
+        """Restore ``ckpt`` into the live objects, all or nothing (``ravex.restore``); raises when it does not fit."""
+        restore_into(self, ckpt, tensors, weights_only=weights_only, where=where)

@@ -4,19 +4,25 @@ At the start of every epoch (``iter(loader)``) the random state that decides
 the epoch's order is snapshotted: the global torch generator (the base seed of
 the workers and the seed of a RandomSampler without a generator) and the
 explicit generators of the loader and its sampler. On resume the snapshot is
-put back, the iterator is built again — the same permutation, the same worker
-seeds — and the index sampler is advanced past the batches already consumed,
-without loading their data. Then the generators are set to their state at the
-checkpoint.
+put back and the iterator is built again — the same permutation, the same
+worker seeds — and then the consumed batches are passed over:
 
-What cannot be replayed: an IterableDataset has no index sampler, so its
-stream position is not restored (everything else is); random transforms that
-run inside worker processes are reseeded with the same seeds but do not
-continue mid-stream.
+- loading in this process (``num_workers=0``): the index sampler is advanced
+  past them without loading their data (what ``__getitem__`` drew came from the
+  main process's generators, which the checkpoint restores);
+- loading in workers: they are loaded again and dropped (a *replay*), so each
+  worker's generators, and anything else it keeps, are where they were in the
+  uninterrupted run; persistent workers also get back the streams they carried
+  over from earlier epochs (workers.py);
+- an IterableDataset with ``state_dict()`` read in this process continues from
+  its saved state; any other IterableDataset is replayed.
+
+Then the generators are set to their state at the checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Iterator
@@ -25,8 +31,9 @@ from typing import Any
 import torch
 
 from .state import Snapshot
+from .workers import ResumeInit, StampCollate, Stamped
 
-__all__ = ["LoaderState", "generators_of"]
+__all__ = ["LoaderState", "generators_of", "unstamped"]
 
 log = logging.getLogger("ravex")
 
@@ -72,6 +79,87 @@ class _SkipFirst:
         return getattr(self.inner, name)
 
 
+def _sampler_of(loader: Any) -> Any:
+    sampler = getattr(loader, "sampler", None)
+    bs = getattr(loader, "batch_sampler", None)
+    inner = getattr(bs, "sampler", None)
+    # a batch_sampler= of the user's wraps the sampler that draws; DataLoader's own wraps loader.sampler
+    return inner if inner is not None and inner is not sampler and hasattr(inner, "set_epoch") else sampler
+
+
+def _epoch_of(sampler: Any) -> int | None:
+    """The epoch of a sampler that is told it (DistributedSampler.set_epoch), else None."""
+    e = getattr(sampler, "epoch", None)
+    return e if hasattr(sampler, "set_epoch") and isinstance(e, int) and not isinstance(e, bool) else None
+
+
+def _shifted_set_epoch(set_epoch: Any, shift: int, epoch: int) -> None:
+    set_epoch(epoch + shift)
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class _StartAt:
+    """Wraps an index sampler: its first iteration starts from ``states`` (the random
+    state at the start of the epoch); later ones pass through. For a resumed
+    persistent iterator, whose base seed is drawn first from another state."""
+
+    def __init__(self, inner: Any, loader: Any, states: dict[str, torch.Tensor]):
+        self.inner, self.loader, self.states = inner, loader, states
+
+    def __iter__(self) -> Iterator[Any]:
+        states, self.states = self.states, {}
+        if states:
+            _set_rng(self.loader, states)
+        yield from self.inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _set_rng(loader: Any, states: dict[str, torch.Tensor]) -> None:
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    for k, g in generators_of(loader).items():
+        if k in states:
+            g.set_state(states[k])
+
+
+class _Unstamp:
+    """The iterator of a loader with persistent workers: hands out each batch
+    without the worker state it carries, and keeps that state."""
+
+    def __init__(self, inner: Any, st: LoaderState):
+        self._inner, self._st = inner, st
+
+    def __iter__(self) -> _Unstamp:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        if isinstance(batch, Stamped):
+            self._st.worker_last[batch.worker] = batch.states
+            return batch.batch
+        return batch
+
+
+def unstamped(loader: Any, it: Any) -> Any:
+    """``it`` without worker states, for a loader whose persistent workers stamp batches
+    (used where Ravex has switched itself off: the batches must still be the user's)."""
+    return _Unstamp(it, LoaderState(loader, -1)) if getattr(loader, "_ravex_stamps", False) else it
+
+
 class LoaderState:
     """One DataLoader's position, kept by the runtime."""
 
@@ -81,10 +169,17 @@ class LoaderState:
         self.consumed = 0
         self.epoch_start: dict[str, torch.Tensor] = {}
         self.pending: dict[str, Any] | None = None  # saved position to apply at the next iter()
-        # An IterableDataset has no index sampler to advance; one with its own state_dict() is
-        # restored when tracked (ravex.track(dataset)), not by skipping.
+        # An IterableDataset has no index sampler to advance: one with its own state_dict() read in
+        # this process is saved with the position; any other is replayed from the epoch's start.
         self.replayable = not isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
         self.warned = False
+        # Persistent workers: the random state their iterator's base seed was drawn from, and each
+        # worker's generator states after its latest batch and at the start of this epoch.
+        self.persistent = bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "num_workers", 0) > 0
+        self.base_start: dict[str, torch.Tensor] | None = None
+        self.base_epoch = -1
+        self.worker_last: dict[int, dict[str, Any]] = {}
+        self.worker_start: dict[int, dict[str, Any]] = {}
 
     def length(self, loader: Any) -> int | None:
         try:
@@ -98,50 +193,122 @@ class LoaderState:
         self.epoch_start = {"torch": torch.get_rng_state()}
         for k, g in generators_of(loader).items():
             self.epoch_start[k] = g.get_state()
+        if self.persistent:
+            self.worker_start = dict(self.worker_last)
 
     def capture(self, snap: Snapshot, loader: Any) -> dict[str, Any]:
         key = f"loaders/{self.index}"
         out: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed, "length": self.length(loader), "replayable": self.replayable,
                                "epoch_start": {k: snap.add(f"obj/{key}/epoch_start/{k}", v) for k, v in self.epoch_start.items()},
                                "generators": {k: snap.add(f"obj/{key}/generators/{k}", g.get_state()) for k, g in generators_of(loader).items()}}
+        ds = getattr(loader, "dataset", None)
+        if ds is not None and not self.replayable and loader.num_workers == 0 and _stateful(ds):
+            out["dataset_state"] = snap.flatten(ds.state_dict(), f"{key}/dataset")
+        epoch = _epoch_of(_sampler_of(loader))
+        if epoch is not None:
+            out["sampler_epoch"] = epoch
+        if self.persistent and self.base_start is not None:
+            out["persistent"] = {
+                "base_epoch": self.base_epoch,
+                "base_start": {k: snap.add(f"obj/{key}/base_start/{k}", v) for k, v in self.base_start.items()},
+                "start": {str(w): s for w, s in self.worker_start.items()},
+                "last": {str(w): s for w, s in self.worker_last.items()},
+            }
         return out
+
+    def _shift_epoch(self, loader: Any, saved: dict[str, Any] | None) -> None:
+        """Keep a DistributedSampler on the true epoch: the script's own epoch loop starts
+        from 0 again after a resume, and so does what it passes to set_epoch()."""
+        sampler = _sampler_of(loader)
+        now = _epoch_of(sampler)
+        if now is None or saved is None or not isinstance(saved.get("sampler_epoch"), int):
+            return
+        true_epoch = int(saved["sampler_epoch"])
+        sampler.set_epoch(true_epoch)
+        if true_epoch != now:
+            # every later set_epoch(n) of the script's loop means n plus the epochs it did not run again
+            sampler.set_epoch = functools.partial(_shifted_set_epoch, type(sampler).set_epoch.__get__(sampler), true_epoch - now)
+
+    def _build(self, loader: Any, original: Any, init: dict[int, dict[str, Any]] | None = None) -> Any:
+        """``original(loader)``; for persistent workers made here, with their batches stamped."""
+        if not self.persistent:
+            return original(loader)
+        if getattr(loader, "_iterator", None) is None:
+            if self.base_start is None:
+                self.base_start, self.base_epoch = dict(self.epoch_start), self.epoch
+            collate, worker_init = loader.collate_fn, loader.worker_init_fn
+            loader.collate_fn = StampCollate(collate)
+            if init:
+                loader.worker_init_fn = ResumeInit(worker_init, init)
+            try:
+                it = original(loader)
+            finally:
+                loader.collate_fn, loader.worker_init_fn = collate, worker_init
+            object.__setattr__(loader, "_ravex_stamps", True)
+        else:
+            it = original(loader)
+        return _Unstamp(it, self)
 
     def make_iter(self, loader: Any, original: Any, current_rng: torch.Tensor) -> Any:
         """``iter(loader)`` through ``original``, continuing a saved position when one is pending."""
         saved, self.pending = self.pending, None
+        self._shift_epoch(loader, saved)
         if saved is None:
             self.start_epoch(loader)
-            return original(loader)
+            return self._build(loader, original)
         length = saved.get("length")
         consumed = int(saved.get("consumed") or 0)
         gens = generators_of(loader)
-        if not saved.get("replayable", True) or not self.replayable:
-            log.warning("ravex: the DataLoader over %s has no index sampler (IterableDataset); its stream position cannot be replayed "
-                        "and it starts from the beginning. Everything else was restored.", type(loader.dataset).__name__)
-            self.epoch = int(saved.get("epoch", 0))
-            self.start_epoch(loader)
+        if not self.replayable and loader.num_workers == 0 and _stateful(loader.dataset) and "dataset_state" in saved:
+            # An IterableDataset with its own state_dict(), read in this process: it continues from it.
+            loader.dataset.load_state_dict(saved["dataset_state"])
+            self.epoch, self.consumed = int(saved["epoch"]), consumed
+            self.epoch_start = {k: v.clone() for k, v in (saved.get("epoch_start") or {}).items()}
             return original(loader)
-        if length is not None and consumed >= length:
+        persistent = saved.get("persistent") if self.persistent else None
+        if persistent is not None:
+            self.worker_last = {int(w): s for w, s in (persistent.get("last") or {}).items()}
+        finished = length is not None and consumed >= length
+        if finished:
             # The epoch was finished: the next one starts from the current state.
             self.epoch = int(saved["epoch"])
             self.start_epoch(loader)
-            return original(loader)
-        self.epoch = int(saved["epoch"])
-        self.consumed = consumed
-        starts = saved.get("epoch_start") or {}
-        self.epoch_start = {k: v.clone() for k, v in starts.items()}
-        if "torch" in starts:
-            torch.set_rng_state(starts["torch"])
+            if persistent is None:
+                return self._build(loader, original)
+            starts, consumed = self.epoch_start, 0
+        else:
+            self.epoch = int(saved["epoch"])
+            self.consumed = consumed
+            starts = {k: v.clone() for k, v in (saved.get("epoch_start") or {}).items()}
+            self.epoch_start = starts
+            if persistent is not None:
+                self.worker_start = {int(w): s for w, s in (persistent.get("start") or {}).items()}
+        if not self.replayable and consumed:
+            log.warning("ravex: the DataLoader over %s (an IterableDataset without state_dict()) has no index sampler to advance; "
+                        "the %d batches of this epoch already trained on are read again and dropped, so the stream continues where "
+                        "it was if it yields the same items each time it is iterated", type(loader.dataset).__name__, consumed)
+        if loader.num_workers == 0 and self.replayable:
+            it = self._skip(loader, original, starts, consumed)
+        else:
+            it = self._replay(loader, original, starts, consumed, persistent)
+        torch.set_rng_state(current_rng)
+        saved_gens = saved.get("generators") or {}
         for k, g in gens.items():
-            if k in starts:
-                g.set_state(starts[k])
+            if k in saved_gens:
+                g.set_state(saved_gens[k])
+        return it
+
+    def _skip(self, loader: Any, original: Any, starts: dict[str, torch.Tensor], consumed: int) -> Any:
+        """In-process loading draws from the main process's generators, which the checkpoint
+        restores: the index sampler is advanced past the consumed batches without loading them."""
+        _set_rng(loader, starts)
         attr = "batch_sampler" if getattr(loader, "_auto_collation", True) and getattr(loader, "batch_sampler", None) is not None else "sampler"
         inner = getattr(loader, attr)
         # DataLoader refuses to have its sampler set after construction; this is temporary and undone below.
         object.__setattr__(loader, attr, _SkipFirst(inner, consumed))
         try:
             it = original(loader)
-            if loader.num_workers == 0 and consumed:
+            if consumed:
                 # The single-process iterator draws the permutation lazily; draw it now, as the
                 # first batch of the uninterrupted epoch did, before the checkpoint's state is put back.
                 first = next(it._sampler_iter, None)
@@ -149,9 +316,36 @@ class LoaderState:
                     it._sampler_iter = itertools.chain([first], it._sampler_iter)
         finally:
             object.__setattr__(loader, attr, inner)
-        torch.set_rng_state(current_rng)
-        saved_gens = saved.get("generators") or {}
-        for k, g in gens.items():
-            if k in saved_gens:
-                g.set_state(saved_gens[k])
+        return it
+
+    def _replay(self, loader: Any, original: Any, starts: dict[str, torch.Tensor], consumed: int, persistent: dict[str, Any] | None) -> Any:
+        """Workers draw from their own generators, seeded from the iterator's base seed and
+        changed by every item they load: the epoch is rebuilt from its starting state (same
+        base seed, same order) and the consumed batches are loaded again and dropped, so each
+        worker is where it was in the uninterrupted run (workers.py)."""
+        if persistent is not None and getattr(loader, "_iterator", None) is None:
+            # The base seed was drawn when the persistent iterator was first made, perhaps epochs ago.
+            base = persistent.get("base_start") or starts
+            self.base_start, self.base_epoch = dict(base), int(persistent.get("base_epoch", self.epoch))
+            _set_rng(loader, base)
+            if self.base_epoch != self.epoch:
+                attr = "batch_sampler" if getattr(loader, "_auto_collation", True) and getattr(loader, "batch_sampler", None) is not None else "sampler"
+                inner = getattr(loader, attr)
+                object.__setattr__(loader, attr, _StartAt(inner, loader, starts))
+                try:
+                    it = self._build(loader, original, self.worker_start)
+                finally:
+                    object.__setattr__(loader, attr, inner)
+            else:
+                it = self._build(loader, original, self.worker_start)
+        else:
+            _set_rng(loader, starts)
+            it = self._build(loader, original)
+        for done in range(consumed):
+            try:
+                next(it)
+            except StopIteration:
+                log.warning("ravex: the DataLoader ran out after %d of the %d batches its checkpoint had consumed; "
+                            "the dataset is not the one the run was saved with", done, consumed)
+                break
         return it

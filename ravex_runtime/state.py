@@ -10,6 +10,7 @@ every other object (RNG states, other optimizers, tracked objects).
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,11 +74,25 @@ def _numpy_plain(value: Any) -> Any:
 
 
 def _numpy_back(value: Any) -> Any:
+    """A NumPy array saved by :func:`_numpy_plain`. Only plain numeric dtypes: an object (or
+    structured) dtype would make NumPy build Python objects from the checkpoint's bytes."""
     import numpy as np
 
-    if isinstance(value, dict) and "__ndarray__" in value:
-        return np.frombuffer(value["data"], dtype=np.dtype(value["__ndarray__"])).reshape(value["shape"]).copy()
-    return value
+    if not (isinstance(value, dict) and "__ndarray__" in value):
+        return value
+    code, shape, data = value.get("__ndarray__"), value.get("shape"), value.get("data")
+    try:
+        dt = np.dtype(code) if isinstance(code, str) else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in "biufc" or dt.fields is not None or dt.subdtype is not None:
+        raise RavexError(f"the checkpoint holds a NumPy array of dtype {code!r}; only plain numeric dtypes are restored",
+                         hint="the checkpoint is damaged or was not written by Ravex; use an older one")
+    if (not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+            or not isinstance(data, (bytes, bytearray)) or len(data) != math.prod(shape) * dt.itemsize):
+        raise RavexError(f"the checkpoint holds a NumPy array of dtype {code!r} whose shape {shape!r} does not match its bytes",
+                         hint="the checkpoint is damaged; use an older one")
+    return np.frombuffer(bytes(data), dtype=dt).reshape(shape).copy()
 
 
 def _dtype_name(t: torch.Tensor) -> str:
