@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -20,7 +22,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 import ravex_convert
-from ravex_convert.errors import RavexError
+from ravex_convert import _core
+from ravex_convert.errors import INTERNAL_EXIT, CorruptCheckpointError, RavexError, from_os_error
 from ravex_convert.info import CheckpointInfo
 
 if TYPE_CHECKING:
@@ -46,6 +49,62 @@ def _fail(exc: RavexError) -> NoReturn:
     sys.exit(exc.exit_code)
 
 
+_REPORT = ("this is a bug in Ravex, not a problem Ravex found in your checkpoint: please report it with the command you ran and "
+           "`ravex --version`" )
+
+
+def _internal(exc: BaseException, what: str) -> NoReturn:
+    """An exception no code path expected: say so plainly, and show the
+    traceback only when asked (RAVEX_DEBUG=1)."""
+    if os.environ.get("RAVEX_DEBUG", "") not in ("", "0"):
+        traceback.print_exception(exc, file=sys.stderr)
+    text = str(exc).split("\n")[0] or "(no message)"
+    if isinstance(exc, _core.InternalError):
+        _say(f"error: internal error in Ravex's core while {what}: {text}", stderr=True)
+    else:
+        _say(f"error: internal error while {what}: {type(exc).__name__}: {text}", stderr=True)
+    _say(f"hint: {_REPORT}" + ("" if os.environ.get("RAVEX_DEBUG") else "; RAVEX_DEBUG=1 prints the traceback"), stderr=True)
+    sys.exit(INTERNAL_EXIT)
+
+
+def _handled(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Every failure of a command as ``error:`` / ``hint:`` lines and an exit
+    code, never a traceback: Ravex's own errors with theirs, OS errors naming
+    the file, anything unexpected as an internal error (exit 70)."""
+
+    @functools.wraps(f)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        paths = [str(kwargs[k]) for k in ("src", "path", "a", "b") if kwargs.get(k)]
+        what = f"running `ravex {f.__name__.removesuffix('_cmd')}`" + (f" on {' and '.join(paths)}" if paths else "")
+        try:
+            return f(*args, **kwargs)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except RavexError as exc:
+            _fail(exc)
+        except RecursionError:
+            _fail(CorruptCheckpointError(f"{' or '.join(paths) or 'the input'}: data nested deeper than Ravex follows (Python's recursion limit) "
+                                         f"while {what}", hint="the file is damaged or was built to exhaust its reader; "
+                                         "a checkpoint saved by a training run does not nest this deep"))
+        except OSError as exc:
+            _fail(from_os_error(exc))
+        except _core.CorruptSourceError as exc:
+            # bad source bytes that reached the core without a reader catching them first
+            first, _, hint = str(exc).partition("\nhint: ")
+            _fail(CorruptCheckpointError(f"{exc.path or ' or '.join(paths) or 'the source'}: the file does not hold what the checkpoint's metadata says "
+                                         f"({first})", hint=hint or "a file is truncated or damaged; copy the checkpoint again"))
+        except MemoryError:
+            _fail(RavexError(f"out of memory while {what}", hint="free memory or run on a larger machine; a checkpoint whose metadata "
+                             "declares sizes far beyond its files is damaged"))
+        except KeyboardInterrupt:
+            _say("error: interrupted; nothing was left at the destination under its name", stderr=True)
+            sys.exit(130)
+        except Exception as exc:  # noqa: BLE001 - the last resort: a bug, said plainly
+            _internal(exc, what)
+
+    return run
+
+
 def _human_bytes(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -58,7 +117,8 @@ def _human_bytes(n: int) -> str:
 def _zero_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The options of a DeepSpeed ZeRO output (convert --to zero, reshard of a ZeRO run)."""
     f = click.option("--hyperparameters", default=None, metavar="FILE.json",
-                     help="zero: param-group hyper-parameters (a JSON list, one dict per group) where the source lacks them (elastic saves).")(f)
+                     help="zero, dcp, torch_save: param-group hyper-parameters (a JSON list, one dict per group) where the source "
+                          "lacks them (DeepSpeed elastic saves); for dcp, every key of the resuming optimizer's param groups.")(f)
     f = click.option("--buffers", default=None, metavar="NAMES",
                      help="zero, stage 3: the model's persistent buffer names, comma-separated, where the source does not mark them (DCP, torch_save).")(f)
     f = click.option("--precision", type=click.Choice(["fp32", "bf16"]), default=None,
@@ -78,8 +138,9 @@ def _zero_kwargs(zero_stage: int | None, precision: str | None, buffers: str | N
     if hyperparameters:
         try:
             out["hyperparameters"] = json.loads(Path(hyperparameters).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise RavexError(f"{hyperparameters}: not a readable JSON list of param-group dicts ({exc})",
+        except (OSError, json.JSONDecodeError, RecursionError) as exc:
+            why = "nested too deep" if isinstance(exc, RecursionError) else exc
+            raise RavexError(f"{hyperparameters}: not a readable JSON list of param-group dicts ({why})",
                              hint="write e.g. [{\"lr\": 0.01, \"weight_decay\": 0.1}, {\"lr\": 0.005, \"weight_decay\": 0.0}]") from None
     return out
 
@@ -92,11 +153,12 @@ def main() -> None:
 
 
 @main.command("inspect")
-@click.argument("path", type=click.Path(path_type=str))
+@click.argument("path", type=click.Path(path_type=str, readable=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (keys: format, variant, world_size, zero_stage, step, ...).")
 @click.option("--tensors", is_flag=True, help="Also list every logical tensor with its global shape and dtype.")
 @click.option("--tag", default=None, help="DeepSpeed tag to read when the root holds several (default: the one 'latest' names).")
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: the newest complete one).")
+@_handled
 def inspect_cmd(path: str, as_json: bool, tensors: bool, tag: str | None, index: int) -> None:
     """Say what the checkpoint at PATH is: format, stage, world size, step, tensors, files."""
     try:
@@ -114,9 +176,10 @@ _NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (
 
 
 @main.command("convert")
-@click.argument("src", type=click.Path(path_type=str))
-@click.argument("dst", type=click.Path(path_type=str))
-@click.option("--to", "to", required=True, type=click.Choice(["safetensors", "torch_save", "native", "dcp", "zero"]), help="Output format.")
+@click.argument("src", type=click.Path(path_type=str, readable=False))
+@click.argument("dst", type=click.Path(path_type=str, readable=False))
+@click.option("--to", "to", default=None, type=click.Choice(["safetensors", "torch_save", "native", "dcp", "zero"]),
+              help="Output format. Without it, taken from DST's name (.safetensors: safetensors; .pt, .pth, .bin: torch_save) and said so.")
 @click.option("--weights-only", is_flag=True, help="Leave the optimizer state and other training state out.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default=None,
               help="Cast floating-point weights on the way out (optimizer state is never cast).")
@@ -137,7 +200,8 @@ _NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (
 @click.option("--no-sync", is_flag=True, help=_NO_SYNC_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def convert_cmd(src: str, dst: str, to: str, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
+@_handled
+def convert_cmd(src: str, dst: str, to: str | None, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
                 compression: str | None, world_size: int, metadata_form: str, zero_stage: int | None, precision: str | None,
                 buffers: str | None, hyperparameters: str | None, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
                 no_sync: bool, as_json: bool, quiet: bool) -> None:
@@ -172,8 +236,8 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
 
 
 @main.command("reshard")
-@click.argument("src", type=click.Path(path_type=str))
-@click.argument("dst", type=click.Path(path_type=str))
+@click.argument("src", type=click.Path(path_type=str, readable=False))
+@click.argument("dst", type=click.Path(path_type=str, readable=False))
 @click.option("--world-size", required=True, type=click.IntRange(1), help="The number of ranks to reshard to.")
 @_zero_options
 @click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
@@ -183,6 +247,7 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
 @click.option("--no-sync", is_flag=True, help=_NO_SYNC_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_handled
 def reshard_cmd(src: str, dst: str, world_size: int, zero_stage: int | None, precision: str | None, buffers: str | None,
                 hyperparameters: str | None, tag: str | None, index: int, force: bool, dry_run: bool, no_sync: bool, as_json: bool,
                 quiet: bool) -> None:
@@ -197,14 +262,16 @@ def reshard_cmd(src: str, dst: str, world_size: int, zero_stage: int | None, pre
 
 
 @main.command("verify")
-@click.argument("a", type=click.Path(path_type=str))
-@click.argument("b", type=click.Path(path_type=str))
+@click.argument("a", type=click.Path(path_type=str, readable=False))
+@click.argument("b", type=click.Path(path_type=str, readable=False))
 @click.option("--weights-only", is_flag=True, help="Compare model weights only, not optimizer state.")
 @click.option("--atol", default=0.0, show_default=True, help="Absolute tolerance (default: bit-exact).")
 @click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance (default: bit-exact).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_handled
 def verify_cmd(a: str, b: str, weights_only: bool, atol: float, rtol: float, as_json: bool) -> None:
-    """Compare two checkpoints of any formats tensor by tensor. Exit 0: identical; 1: different; 2 or more: error."""
+    """Compare two checkpoints of any formats tensor by tensor. Exit 0: identical; 1: different (a name on one side only is a
+    difference; two checkpoints without tensors are never identical); 2 or more: error."""
     try:
         result = ravex_convert.verify(a, b, weights_only=weights_only, atol=atol, rtol=rtol)
     except RavexError as exc:
@@ -214,10 +281,17 @@ def verify_cmd(a: str, b: str, weights_only: bool, atol: float, rtol: float, as_
     elif result.identical:
         how = "bit-identical" if result.exact else f"equal within atol={atol}, rtol={rtol}"
         _say(f"identical: {result.compared} tensors, {result.elements:,} elements {how}")
+    elif result.differences[0].kind == "nothing_compared":
+        _say(f"nothing compared: {result.differences[0].detail}")
+        _say("hint: a checkpoint without tensors is usually the wrong path or a conversion that lost them; `ravex inspect` shows what each holds",
+             stderr=True)
     else:
         first = result.differences[0]
         where = f" (first at {first.first_index}, max |a-b| {first.max_abs_diff:.6g})" if first.first_index is not None and first.max_abs_diff is not None else ""
-        _say(f"different: {len(result.differences)} tensor(s) differ; first: {first.name}: {first.detail}{where}")
+        counts = f"a: {result.tensors_a} tensors, b: {result.tensors_b}"
+        if result.only_in_a or result.only_in_b:
+            counts += f"; {result.only_in_a} only in a, {result.only_in_b} only in b"
+        _say(f"different: {len(result.differences)} tensor(s) differ ({counts}); first: {first.name}: {first.detail}{where}")
     sys.exit(0 if result.identical else 1)
 
 
@@ -321,8 +395,9 @@ def _render(info: CheckpointInfo, tensors: bool) -> None:
 
 
 @main.command("status")
-@click.argument("path", required=False, type=click.Path(path_type=str))
+@click.argument("path", required=False, type=click.Path(path_type=str, readable=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (keys: store, checkpoints, resume).")
+@_handled
 def status_cmd(path: str | None, as_json: bool) -> None:
     """List the checkpoints of a Ravex store and say which one a resume would pick.
 

@@ -2,20 +2,26 @@
 checksums, zstd frames and element-wise comparison.
 
 Private: call it through ``ravex_convert``; its surface may change.
-Heavy calls release the GIL. Bad arguments and layouts raise ``ValueError``;
+Heavy calls release the GIL. Malformed arguments raise ``ValueError``;
 failing file operations raise ``OSError`` (the subclass for the errno, with
-``filename`` set).
+``filename`` set); source bytes that do not match their metadata raise
+:class:`CorruptSourceError` (a ``ValueError``); a failed invariant of Ravex's
+own (a plan that does not tile, a bad argument built by the Python side)
+raises :class:`InternalError` (a ``RuntimeError``): a bug, not bad data.
 """
 
 from collections.abc import Sequence
 from typing import Any, Literal, TypeAlias
 
 __all__ = [
+    "CorruptSourceError",
+    "InternalError",
     "__version__",
     "checksum_ranges",
     "compare",
     "compress_range",
     "decompress_frame",
+    "decompress_frame_to",
     "execute",
     "plan_runs",
     "plan_summary",
@@ -23,6 +29,19 @@ __all__ = [
 ]
 
 __version__: str
+
+class CorruptSourceError(ValueError):
+    """A source's bytes are not what its metadata says (a file shorter than its
+    chunks, a zstd frame that does not decode, chunks that leave a tensor uncovered)."""
+
+    tensor: int | None  # the tensor's index in the job, where known
+    path: str | None  # the file, where known
+
+class InternalError(RuntimeError):
+    """An invariant of Ravex's own failed: a bug to report, not bad data."""
+
+    tensor: int | None
+    path: str | None
 
 # A piece of a logical tensor (row-major, C order): an N-d box, stored
 # row-major within the box, or a range of the flattened tensor (ZeRO).
@@ -127,6 +146,17 @@ def decompress_frame(path: str, offset: int, stored_len: int, expected_len: int)
     """The zstd frame of ``stored_len`` bytes at ``offset`` of the file, decompressed.
 
     Raises ``ValueError`` unless it decompresses to exactly ``expected_len`` bytes.
+    """
+
+def decompress_frame_to(path: str, offset: int, stored_len: int, expected_len: int, dst: str | None = None) -> int:
+    """The zstd frame of ``stored_len`` bytes at ``offset`` of the file, decoded
+    in pieces of 1 MiB into the existing file ``dst`` (truncated first), or only
+    hashed when ``dst`` is None; returns the XXH3-64 of the decoded bytes.
+
+    Memory stays bounded whatever the frame declares. Raises
+    :class:`CorruptSourceError` unless the range is exactly one frame that
+    decodes to exactly ``expected_len`` bytes; a header declaring another size
+    is refused before decoding.
     """
 
 def compare(

@@ -8,13 +8,17 @@ the bytes go through once, in parallel, in bounded memory.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import _core
 from ._output import durable, fsync_dir
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
 
 __all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "chunk_bytes", "core_region", "flat_range", "page_residue", "source_bytes", "vote_residue"]
@@ -57,16 +61,36 @@ class Target:
     dtype: str
 
 
+# A decoded zstd chunk larger than this goes to a temporary file, not to memory.
+INLINE_ZSTD_BYTES = 4 << 20
+
+
 @dataclass
 class SourceTable:
     """The sources of one executor call: file paths (each listed once) and
-    inline byte strings, and each chunk as the executor's tuple."""
+    inline byte strings, and each chunk as the executor's tuple.
+
+    A zstd chunk is decoded in bounded pieces (the frame checked against the
+    size its chunk declares first), into memory when small, else into a
+    temporary file under TMPDIR; with ``defer`` (a :class:`CopyJob`) only while
+    the batch that reads it runs (:meth:`decode`, :meth:`release`), so neither
+    memory nor temporary disk grows with the checkpoint."""
 
     sources: list[str | bytes | memoryview] = field(default_factory=list)
     _paths: dict[str, int] = field(default_factory=dict)
+    defer: bool = False
+    _zstd: dict[int, Chunk] = field(default_factory=dict)  # source index -> its compressed chunk
+    _spill: str | None = None  # a temporary directory, made when first needed
 
     def chunk(self, c: Chunk) -> tuple[Any, ...]:
         """``(source index, byte offset, region, dtype)`` for the executor."""
+        if c.data is None and c.compression == "zstd":
+            i = len(self.sources)
+            self.sources.append(b"")
+            self._zstd[i] = c
+            if not self.defer:
+                self.decode([i])
+            return (i, 0, core_region(c.region), c.dtype)
         data = source_bytes(c)
         if data is not None:
             if len(data) != c.nbytes:
@@ -87,13 +111,55 @@ class SourceTable:
     def files(self) -> int:
         return len(self._paths)
 
+    def decode(self, indices: list[int]) -> None:
+        """Decode the zstd chunks among the sources ``indices`` not decoded yet."""
+        for i in indices:
+            c = self._zstd.get(i)
+            if c is None or self.sources[i] != b"":
+                continue
+            if c.file is None or c.stored_nbytes is None:
+                raise RavexError("a compressed chunk names no file or stored size")
+            decoded: str | bytes
+            try:
+                if c.nbytes <= INLINE_ZSTD_BYTES:
+                    raw = _core.decompress_frame(str(c.file), c.offset, c.stored_nbytes, c.nbytes)
+                    h, decoded = _core.xxh3_64(raw), raw
+                else:
+                    if self._spill is None:
+                        self._spill = tempfile.mkdtemp(prefix="ravex-zstd-")
+                        weakref.finalize(self, shutil.rmtree, self._spill, ignore_errors=True)  # gone with the table
+                    spilled = os.path.join(self._spill, f"{i}.raw")
+                    with open(spilled, "wb"):
+                        pass
+                    h, decoded = _core.decompress_frame_to(str(c.file), c.offset, c.stored_nbytes, c.nbytes, spilled), spilled
+            except ValueError as exc:
+                raise CorruptCheckpointError(f"{c.file}: {str(exc).split(chr(10))[0]}",
+                                             hint="the file is damaged; restore it from a copy", path=c.file) from None
+            except OSError as exc:
+                raise from_os_error(exc) from None
+            if c.checksum is not None and c.checksum != f"xxh3-64:{h:016x}":
+                raise CorruptCheckpointError(f"{c.file}: the zstd frame at byte {c.offset} decodes to bytes whose checksum is "
+                                             f"xxh3-64:{h:016x}, not the recorded {c.checksum}",
+                                             hint="the file is damaged (or changed while being read); restore it from a copy", path=c.file)
+            self.sources[i] = decoded
+
+    def release(self, indices: list[int]) -> None:
+        """Forget decoded zstd chunks among ``indices`` (their temporary files go)."""
+        for i in indices:
+            src = self.sources[i] if i in self._zstd else b""
+            if isinstance(src, str):
+                os.unlink(src)
+            if i in self._zstd:
+                self.sources[i] = b""
+
 
 @dataclass
 class CopyJob:
-    table: SourceTable = field(default_factory=SourceTable)
+    table: SourceTable = field(default_factory=lambda: SourceTable(defer=True))
     targets: list[str] = field(default_factory=list)
     tensors: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = field(default_factory=list)
     crcs: list[int] = field(default_factory=list)  # of crc_ranges, after run()
+    names: list[str] = field(default_factory=list)  # each tensor's logical name, for messages
 
     @property
     def sources(self) -> list[str | bytes | memoryview]:
@@ -107,6 +173,7 @@ class CopyJob:
         src = [self.table.chunk(c) for c in tensor.chunks]
         dst = [(t.file, t.offset, core_region(t.region), t.dtype) for t in targets]
         self.tensors.append((list(tensor.shape), src, dst))
+        self.names.append(tensor.name)
 
     def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20,
             crc_ranges: list[tuple[int, int, int]] | None = None, threads: int = 0, writeback: bool | None = None) -> dict[str, int]:
@@ -124,18 +191,25 @@ class CopyJob:
         found: list[int | None] = [None] * len(crc_ranges or [])
         batch: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = []
         size = 0
+        done = 0  # tensors executed before this batch
 
         def flush() -> None:
-            nonlocal batch, size
+            nonlocal batch, size, done
             if not batch:
                 return
+            used = sorted({c[0] for t in batch for c in t[1]})
+            self.table.decode(used)  # compressed chunks: decoded for this batch only
             try:
                 stats = _core.execute(self.sources, self.targets, batch, threads=threads, sync=False, crc_ranges=crc_ranges, writeback=writeback)
             except OSError as exc:
-                raise RavexError(f"writing failed: {exc}", hint="check free space and permissions at the destination") from None
-            except ValueError as exc:
-                raise CorruptCheckpointError(f"the source does not hold what its metadata says: {exc}",
-                                             hint="a file is truncated or damaged; copy the checkpoint again") from None
+                raise from_os_error(exc) from None
+            except _core.CorruptSourceError as exc:
+                raise self._corrupt(exc, done) from None
+            finally:
+                self.table.release(used)
+            # Anything else from the core (InternalError, a ValueError about the
+            # arguments) is Ravex's own bug: the CLI reports it as one.
+            done += len(batch)
             for i, crc in enumerate(stats.pop("crcs", [])):
                 if crc is not None and found[i] is None:
                     found[i] = crc
@@ -163,6 +237,20 @@ class CopyJob:
         return totals
 
 
+    def _corrupt(self, exc: Any, done: int) -> CorruptCheckpointError:
+        """The core's CorruptSourceError as one error naming the file and the tensor."""
+        text = str(exc).split("\nhint: ")
+        i = exc.tensor
+        name = self.names[done + i] if i is not None and done + i < len(self.names) else None
+        files = [exc.path] if exc.path else []
+        if not files and i is not None and done + i < len(self.tensors):
+            files = sorted({str(self.sources[c[0]]) for c in self.tensors[done + i][1] if isinstance(self.sources[c[0]], str)})
+        where = ", ".join(files) or "the source"
+        what = f"tensor '{_shown_name(name)}'" if name else "a tensor"
+        return CorruptCheckpointError(f"{where}: {what}: the file does not hold what the checkpoint's metadata says ({text[0]})",
+                                      hint=text[1] if len(text) > 1 else "a file is truncated or damaged; copy the checkpoint again",
+                                      path=files[0] if files else None)
+
     def _complete_crcs(self, ranges: list[tuple[int, int, int]], found: list[int | None]) -> list[int]:
         """Ranges no single tensor's writes tiled are read back and hashed."""
         missing: dict[int, list[int]] = {}
@@ -174,6 +262,16 @@ class CopyJob:
             for i, v in zip(idx, values):
                 found[i] = v
         return [int(c) for c in found if c is not None]
+
+
+def _shown_name(name: str) -> str:
+    """A logical name as users know it: the fqn of a weight, ``optim.<state>/<fqn>``."""
+    if name.startswith("model/"):
+        return name[len("model/"):]
+    if name.startswith("optim/"):
+        _, state, fqn = (name.split("/", 2) + ["", ""])[:3]
+        return f"optim.{state}/{fqn}"
+    return name
 
 
 def flat_range(region: Region, shape: tuple[int, ...]) -> tuple[int, int] | None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import RavexError
+from .errors import RavexError, from_os_error
 from .model import MODEL, OBJ, OPTIM, Checkpoint, LogicalTensor
 
 __all__ = ["FLOAT_DTYPES", "Options", "durability", "durable", "fsync_dir", "fsync_fd", "out_dtype", "select", "staged"]
@@ -152,9 +152,8 @@ def staged(dst: Path, force: bool) -> Iterator[Path]:
         try:
             yield tmp
         except OSError as exc:
-            # ENOSPC, EFBIG, EACCES...: the output cannot be written; say where
-            raise RavexError(f"{dst}: writing failed ({exc.strerror or exc})",
-                             hint="check free space and permissions at the destination", path=dst) from None
+            # ENOSPC, EFBIG, EACCES...: the output cannot be written; say where, and what to do for that errno
+            raise from_os_error(exc, path=dst, writing=True) from None
         if dst.exists():
             old = parent / f".{dst.name}.ravex-old-{os.getpid()}"
             os.replace(dst, old)

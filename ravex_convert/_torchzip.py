@@ -9,6 +9,14 @@ can be located (and later memory-mapped) without loading anything.
 The archive may sit inside a bigger file (each item of a DCP ``.distcp`` file
 is a complete torch.save archive at some offset): ``base`` and ``length`` give
 that window.
+
+What the archive declares is checked before anyone uses it: every storage's
+size against its zip entry, every tensor's shape, strides and storage offset
+against its storage (a crafted view would read other memory when gathered),
+and the pickle's size (:func:`~ravex_convert._unpickle.max_pickle_bytes`).
+The CRC-32 the zip records for ``data.pkl`` is checked when it is read (by
+``zipfile``); those of the storages by :func:`verify_crcs`, which the readers
+call before converting (it reads every byte once more).
 """
 
 from __future__ import annotations
@@ -17,14 +25,20 @@ import io
 import os
 import struct
 import zipfile
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ._unpickle import DTYPE_SIZES, StorageRef, TensorRef, restricted_loads
-from .errors import CorruptCheckpointError
+from ._unpickle import DTYPE_SIZES, Record, StorageRef, TensorRef, max_pickle_bytes, restricted_loads
+from .errors import CorruptCheckpointError, UnsafeCheckpointError, from_os_error
 
-__all__ = ["TorchArchive", "is_torch_zip", "open_archive"]
+__all__ = ["TorchArchive", "check_archive", "crc_enabled", "gather_strided", "is_torch_zip", "open_archive", "storages_at", "verify_crcs"]
+
+# A strided view (a transpose, an expand) is gathered into memory; one that
+# overlaps itself (stride 0) can be far larger than its storage.
+_MAX_GATHER_BYTES = 2**30
+_DAMAGED_HINT = "the file is damaged, or was crafted to make a reader go outside its data; copy it again from where the run saved it"
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 
@@ -82,6 +96,9 @@ class TorchArchive:
     root: Any
     storage_offsets: dict[str, int]  # storage key -> absolute byte offset in ``path``
     storage_sizes: dict[str, int]  # storage key -> byte length of the zip entry
+    storage_crcs: dict[str, int] = field(default_factory=dict)  # storage key -> the CRC-32 the zip directory records
+    entry_prefix: str = ""  # "archive/" (the name of each storage's entry is f"{entry_prefix}data/{key}")
+    where: str = ""  # how messages name the archive (the file, and the item's offset inside a .distcp)
 
     def tensor_offset(self, t: TensorRef) -> int:
         """Absolute file offset of the first element of ``t``."""
@@ -90,7 +107,11 @@ class TorchArchive:
     def read_tensor_bytes(self, t: TensorRef) -> bytes:
         """The raw bytes of a contiguous tensor (small tensors: steps, scalars)."""
         if not t.is_contiguous():
-            raise CorruptCheckpointError(f"{self.path}: tensor is not contiguous; cannot read it as one range", path=self.path)
+            raise CorruptCheckpointError(
+                f"{self.where or self.path}: a strided tensor (strides {list(t.stride)}) where a plain one was expected",
+                hint="the file is damaged or not what it looks like; copy it again",
+                path=self.path,
+            )
         with open(self.path, "rb") as f:
             f.seek(self.tensor_offset(t))
             data = f.read(t.nbytes)
@@ -99,10 +120,47 @@ class TorchArchive:
         return data
 
     def read_scalar(self, t: TensorRef) -> float | int | bool:
-        fmt = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i", "int16": "<h", "int8": "<b", "uint8": "<B", "bool": "<?"}
-        if t.numel != 1 or t.dtype not in fmt:
-            raise ValueError(f"not a readable scalar: {t.dtype} {t.shape}")
-        return struct.unpack(fmt[t.dtype], self.read_tensor_bytes(t))[0]  # type: ignore[no-any-return]
+        """The value of a one-element tensor (a step counter)."""
+        fmt = {"float32": "<f", "float64": "<d", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h", "int8": "<b", "uint8": "<B", "bool": "<?"}
+        if t.numel != 1 or t.dtype not in fmt and t.dtype != "bfloat16":
+            raise CorruptCheckpointError(
+                f"{self.where or self.path}: a {t.dtype} tensor of shape {list(t.shape)} where a number (a step) was expected",
+                hint="the file is damaged, or not the kind of checkpoint it looks like; copy it again",
+                path=self.path,
+            )
+        raw = self.read_tensor_bytes(t)
+        if t.dtype == "bfloat16":  # the top half of a float32
+            return struct.unpack("<f", b"\x00\x00" + raw)[0]  # type: ignore[no-any-return]
+        return struct.unpack(fmt[t.dtype], raw)[0]  # type: ignore[no-any-return]
+
+
+def check_archive(path: Path) -> None:
+    """Cheap whole-file check without parsing the pickle: the zip directory at
+    the end of the file is intact, names a ``data.pkl``, and every entry it
+    lists lies inside the file (a truncated or overwritten file fails this).
+    Reads only the directory: a few hundred bytes to a few KB."""
+    bad = CorruptCheckpointError(
+        f"{path}: the zip directory at the end of the file is missing or damaged (the file is truncated or overwritten)",
+        hint="copy the file again from where the run saved it; a file that was still being written when copied is truncated",
+        path=path,
+    )
+    try:
+        size = path.stat().st_size
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except OSError as exc:
+        raise from_os_error(exc, path=path) from None
+    except (zipfile.BadZipFile, ValueError, EOFError, UnicodeDecodeError, NotImplementedError):
+        raise bad from None
+    if not any(i.filename.endswith("data.pkl") for i in infos):
+        raise bad
+    for info in infos:
+        if info.header_offset + info.compress_size > size:
+            raise CorruptCheckpointError(
+                f"{path}: the zip directory lists {info.filename} up to byte {info.header_offset + info.compress_size}, but the file has {size} bytes",
+                hint="the file is truncated; copy it again from where the run saved it",
+                path=path,
+            )
 
 
 def is_torch_zip(path: Path) -> bool:
@@ -129,7 +187,7 @@ def open_archive(path: str | Path, base: int = 0, length: int | None = None) -> 
     try:
         size = path.stat().st_size
     except OSError as exc:
-        raise CorruptCheckpointError(f"{path}: cannot be read ({exc.strerror})", path=path) from None
+        raise from_os_error(exc, path=path) from None
     if length is None:
         length = size - base
     if base + length > size:
@@ -148,21 +206,46 @@ def open_archive(path: str | Path, base: int = 0, length: int | None = None) -> 
         if len(pkl) != 1:
             raise bad
         prefix = pkl[0].filename[: -len("data.pkl")]
+        cap = max_pickle_bytes()
+        if pkl[0].file_size > cap or pkl[0].compress_size > cap:
+            raise UnsafeCheckpointError(
+                f"{where}: {pkl[0].filename} is {max(pkl[0].file_size, pkl[0].compress_size)} bytes, more than the {cap} bytes Ravex unpickles",
+                hint=f"real checkpoints' pickles are a few MB; if the file is genuine, raise the limit: RAVEX_MAX_PICKLE_BYTES={max(pkl[0].file_size, pkl[0].compress_size)}",
+                path=path,
+            )
         try:
+            # zipfile checks the CRC-32 of what it reads (data.pkl, byteorder)
             pickle_bytes = z.read(pkl[0])
             byteorder = z.read(prefix + "byteorder").decode() if prefix + "byteorder" in z.namelist() else "little"
-        except (zipfile.BadZipFile, OSError, EOFError, KeyError):
+        except zipfile.BadZipFile as exc:
+            if "CRC" in str(exc):
+                raise CorruptCheckpointError(
+                    f"{where}: the entry {exc.args[0].rsplit(' ', 1)[-1]} fails its CRC-32 check (its bytes changed after torch.save wrote it)",
+                    hint="the file is damaged (bit rot, a bad copy); copy it again from where the run saved it",
+                    path=path,
+                ) from None
+            raise bad from None
+        except (OSError, EOFError, KeyError, UnicodeDecodeError, ValueError, NotImplementedError, RuntimeError):
             raise bad from None
         if byteorder != "little":
-            raise CorruptCheckpointError(f"{where}: written on a big-endian machine; Ravex reads little-endian checkpoints only", path=path)
+            raise CorruptCheckpointError(
+                f"{where}: written on a big-endian machine; Ravex reads little-endian checkpoints only",
+                hint="load it with torch on any machine and save it again (torch.save writes little-endian on x86 and ARM)",
+                path=path,
+            )
         offsets: dict[str, int] = {}
         sizes: dict[str, int] = {}
+        crcs: dict[str, int] = {}
         data_prefix = prefix + "data/"
         for info in infos:
             if not info.filename.startswith(data_prefix) or info.filename.endswith("/"):
                 continue
             if info.compress_type != zipfile.ZIP_STORED:
-                raise CorruptCheckpointError(f"{where}: storage {info.filename} is compressed; torch.save never compresses", path=path)
+                raise CorruptCheckpointError(
+                    f"{where}: storage {info.filename} is compressed; torch.save never compresses",
+                    hint="the archive was rewritten by another tool; use the file torch.save wrote",
+                    path=path,
+                )
             raw.seek(base + info.header_offset)
             header = raw.read(_LOCAL_HEADER.size)
             if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
@@ -175,15 +258,175 @@ def open_archive(path: str | Path, base: int = 0, length: int | None = None) -> 
             key = info.filename[len(data_prefix):]
             offsets[key] = start
             sizes[key] = info.file_size
+            crcs[key] = info.CRC
 
     def storage(pid: tuple[Any, ...]) -> StorageRef:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-            raise CorruptCheckpointError(f"{where}: unexpected persistent id in the pickle", path=path)
+            raise CorruptCheckpointError(f"{where}: unexpected persistent id in the pickle", hint=_DAMAGED_HINT, path=path)
         _, stype, key, location, numel = pid
-        key = str(key)
+        dtype = getattr(stype, "dtype", None) if isinstance(stype, type) else None
+        if not isinstance(key, str) or not isinstance(location, str) or not isinstance(numel, int) or isinstance(numel, bool) or dtype not in DTYPE_SIZES:
+            raise CorruptCheckpointError(f"{where}: a storage id in the pickle is malformed (key, type, location or size)", hint=_DAMAGED_HINT, path=path)
         if key not in offsets:
             raise CorruptCheckpointError(f"{where}: the pickle names storage '{key}' but the archive has no data/{key}", hint="the file is truncated or damaged", path=path)
-        return StorageRef(key, getattr(stype, "dtype", "uint8"), int(numel), str(location))
+        need = numel * DTYPE_SIZES[dtype]
+        if numel < 0 or need > sizes[key]:
+            raise CorruptCheckpointError(
+                f"{where}: storage data/{key} is declared as {numel} {dtype} elements ({need} bytes), but its zip entry holds {sizes[key]} bytes",
+                hint=_DAMAGED_HINT,
+                path=path,
+            )
+        return StorageRef(key, dtype, numel, location)
 
     root = restricted_loads(pickle_bytes, where, storage)
-    return TorchArchive(path, base, root, offsets, sizes)
+    _check_views(root, where, path)
+    return TorchArchive(path, base, root, offsets, sizes, crcs, prefix, where)
+
+
+def view_problem(t: TensorRef) -> str | None:
+    """What is wrong with ``t`` as a view of its storage (None: every element it
+    addresses lies inside the storage). Python ints: no overflow."""
+    shape, stride, offset, n = t.shape, t.stride, t.storage_offset, t.storage.numel
+    if len(shape) != len(stride):
+        return f"has {len(shape)} dimensions but {len(stride)} strides"
+    if any(d < 0 for d in shape):
+        return f"has a negative dimension (shape {list(shape)})"
+    if any(s < 0 for s in stride):
+        return f"has a negative stride (strides {list(stride)})"
+    if offset < 0:
+        return f"starts at storage offset {offset}, before its storage"
+    if any(d == 0 for d in shape):
+        if offset > n:
+            return f"starts at storage offset {offset}, past the end of its {n}-element storage data/{t.storage.key}"
+        return None
+    last = offset + sum((d - 1) * s for d, s in zip(shape, stride))
+    if last >= n:
+        return (
+            f"(shape {list(shape)}, strides {list(stride)}, storage offset {offset}) reaches element {last} "
+            f"of its storage data/{t.storage.key}, which holds {n} elements"
+        )
+    return None
+
+
+def _check_views(root: Any, where: str, path: Path) -> None:
+    """Every tensor of the pickle against its storage, before any view is built
+    (a reader gathering a crafted view would copy memory that is not the file's,
+    or crash). Each object once (shared references are not walked again)."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        obj, name = stack.pop()
+        if isinstance(obj, TensorRef):
+            problem = view_problem(obj)
+            if problem is not None:
+                raise CorruptCheckpointError(f"{where}: tensor '{name or '<top level>'}' {problem}", hint=_DAMAGED_HINT, path=path)
+            continue
+        if not isinstance(obj, (dict, list, tuple, set, frozenset, Record)) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            stack.extend((v, _join(name, k)) for k, v in obj.items())
+            stack.extend((k, _join(name, f"<key {i}>")) for i, k in enumerate(obj) if not isinstance(k, (str, int)))
+        elif isinstance(obj, Record):
+            stack.extend((a, _join(name, f"<{obj.cls} arg {i}>")) for i, a in enumerate(obj.args))
+            stack.append((obj.state, name))
+            stack.extend((v, _join(name, k)) for k, v in obj.items.items())
+        else:
+            stack.extend((v, _join(name, i)) for i, v in enumerate(obj))
+
+
+def _join(name: str, key: Any) -> str:
+    return f"{name}/{key}" if name else str(key)
+
+
+def gather_strided(archive: TorchArchive, ref: TensorRef, what: str) -> bytes:
+    """The elements of a strided view (a transpose saved as is), gathered in C
+    order. Rare and small; the view was checked against its storage when the
+    archive was opened, and is checked again here (a caller may have built it)."""
+    import numpy as np
+
+    size = DTYPE_SIZES[ref.dtype]
+    problem = view_problem(ref)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{archive.where or archive.path}: {what} {problem}", hint=_DAMAGED_HINT, path=archive.path)
+    stored = archive.storage_sizes.get(ref.storage.key, 0)
+    if ref.nbytes > max(_MAX_GATHER_BYTES, stored):
+        raise CorruptCheckpointError(
+            f"{archive.where or archive.path}: {what} is a {list(ref.shape)} view with strides {list(ref.stride)} of a {stored}-byte storage: "
+            f"{ref.nbytes} bytes once gathered",
+            hint="a view repeating its storage this many times is not a real checkpoint's; " + _DAMAGED_HINT,
+            path=archive.path,
+        )
+    lanes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(size)
+    if lanes is None:  # complex128: two 8-byte lanes per element
+        raise CorruptCheckpointError(
+            f"{archive.where or archive.path}: {what} is a strided {ref.dtype} view; Ravex gathers 1- to 8-byte elements",
+            hint="save the tensor contiguous (tensor.contiguous()) and convert again",
+            path=archive.path,
+        )
+    extent = 1 + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride)) if ref.numel else 0
+    if (ref.storage_offset + extent) * size > stored:
+        raise CorruptCheckpointError(f"{archive.where or archive.path}: {what} runs past the end of its storage", hint="the file is truncated or damaged; copy it again", path=archive.path)
+    with open(archive.path, "rb") as f:
+        f.seek(archive.tensor_offset(ref))
+        raw = f.read(extent * size)
+    if len(raw) != extent * size:
+        raise CorruptCheckpointError(f"{archive.path}: {what} runs past the end of the file", hint="the file is truncated; copy it again", path=archive.path)
+    storage = np.frombuffer(raw, dtype=lanes)
+    view = np.lib.stride_tricks.as_strided(storage, shape=ref.shape, strides=tuple(s * size for s in ref.stride), writeable=False)
+    return bytes(np.ascontiguousarray(view).tobytes())
+
+
+def storages_at(archive: TorchArchive, offsets: Iterable[int]) -> set[str]:
+    """The keys of the storages holding the given absolute file offsets (the
+    storages a reader's chunks point into, for :func:`verify_crcs`)."""
+    from bisect import bisect_right
+
+    starts = sorted((start, key) for key, start in archive.storage_offsets.items())
+    firsts = [s for s, _ in starts]
+    out: set[str] = set()
+    for off in offsets:
+        i = bisect_right(firsts, off) - 1
+        if i >= 0:
+            start, key = starts[i]
+            if off < start + archive.storage_sizes[key] or archive.storage_sizes[key] == 0:
+                out.add(key)
+    return out
+
+
+def crc_enabled() -> bool:
+    """False when ``RAVEX_NO_CRC=1`` asks to skip :func:`verify_crcs`."""
+    return os.environ.get("RAVEX_NO_CRC", "") not in ("1", "true", "yes")
+
+
+def verify_crcs(archive: TorchArchive, keys: Iterable[str] | None = None) -> None:
+    """Check the CRC-32 the zip directory records for each storage (all of them,
+    or those in ``keys``) against the bytes in the file; raise
+    :class:`CorruptCheckpointError` naming the file and the entry that differs.
+
+    Reads every byte of those entries once (in parallel, in Rust: about a
+    second per 10 GB from the page cache). Skipped when ``RAVEX_NO_CRC=1``."""
+    if not crc_enabled():
+        return
+    from . import _core
+
+    wanted = sorted(archive.storage_offsets) if keys is None else sorted(set(keys))
+    wanted = [k for k in wanted if k in archive.storage_crcs]
+    if not wanted:
+        return
+    ranges = [(archive.storage_offsets[k], archive.storage_sizes[k]) for k in wanted]
+    try:
+        got = _core.checksum_ranges(str(archive.path), ranges, "crc32")
+    except OSError as exc:
+        raise from_os_error(exc, path=archive.path) from None
+    except ValueError:  # a range past the end of the file: truncated since it was opened
+        raise CorruptCheckpointError(f"{archive.where or archive.path}: the file is shorter than its zip directory says", hint="the file is truncated; copy it again", path=archive.path) from None
+    for key, crc in zip(wanted, got):
+        if crc != archive.storage_crcs[key]:
+            raise CorruptCheckpointError(
+                f"{archive.where or archive.path}: the entry {archive.entry_prefix}data/{key} fails its CRC-32 check "
+                f"(recorded {archive.storage_crcs[key]:08x}, the bytes give {crc:08x}): its data changed after it was written",
+                hint="the file is damaged (bit rot, a bad copy or disk); copy it again from where the run saved it. "
+                "RAVEX_NO_CRC=1 skips this check",
+                path=archive.path,
+            )

@@ -8,21 +8,90 @@ tensors become :class:`TensorRef` (where the bytes are, not the bytes), torch
 dtypes become strings, DeepSpeed's and DCP's classes become :class:`Record`.
 Any other global is refused with :class:`UnsafeCheckpointError` naming it and
 the file. Nothing here imports torch.
+
+Bounded work: a pickle is a program, and a few hundred bytes can describe a
+structure of 10**9 shared references ("billion laughs") or a dict key whose hash
+takes minutes. Loading is bounded three ways, each refused with
+:class:`UnsafeCheckpointError` naming the file:
+
+- size: at most :func:`max_pickle_bytes` bytes (default 64 MiB; real
+  checkpoints' pickles are a few MB at most), ``RAVEX_MAX_PICKLE_BYTES``
+  overrides it;
+- fan-out: the structure, counted as the tree every reader walks (a shared
+  object counted each time it is referenced), holds at most
+  ``max(4 * 2**20, 4 * pickle bytes)`` objects (an honest pickle holds about
+  one object per byte at most); ``RAVEX_MAX_PICKLE_OBJECTS`` overrides it;
+  cycles are refused (no checkpoint has one, and every reader would loop);
+- nesting: at most :data:`MAX_DEPTH` levels (the readers recurse), and no dict
+  key or set member nested more than :data:`MAX_KEY_OBJECTS` objects deep
+  (hashing one walks all of it, shared parts again each time).
+
+The pure-Python ``pickle._Unpickler`` runs the pickle (so that building a dict
+or set can check its keys first; the C unpickler also grows its memo to
+whatever index a pickle names). It is slower than the C one (about 5x), which
+costs milliseconds on checkpoint pickles.
 """
 
 from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from .errors import CorruptCheckpointError, UnknownFormatError, UnsafeCheckpointError
+from .errors import CorruptCheckpointError, RavexError, UnknownFormatError, UnsafeCheckpointError
 
-__all__ = ["DTYPE_SIZES", "DType", "Record", "StorageRef", "TensorRef", "restricted_loads"]
+__all__ = [
+    "DTYPE_SIZES",
+    "MAX_DEPTH",
+    "MAX_KEY_OBJECTS",
+    "DType",
+    "Record",
+    "StorageRef",
+    "TensorRef",
+    "max_pickle_bytes",
+    "restricted_loads",
+]
+
+DEFAULT_MAX_PICKLE_BYTES = 64 * 2**20
+MAX_DEPTH = 100  # containers nested deeper are refused: the readers recurse once per level
+MAX_KEY_OBJECTS = 10_000  # objects in one dict key or set member (a tuple of tuples)
+_MIN_MAX_OBJECTS = 4 * 2**20
+_OBJECTS_PER_BYTE = 4
+
+
+def _env_limit(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise RavexError(f"{name}={raw!r} is not a positive whole number", hint=f"set {name} to a number of bytes or objects, or unset it")
+    return value
+
+
+def max_pickle_bytes() -> int:
+    """The largest pickle Ravex unpickles: 64 MiB, or ``RAVEX_MAX_PICKLE_BYTES``."""
+    return _env_limit("RAVEX_MAX_PICKLE_BYTES", DEFAULT_MAX_PICKLE_BYTES)
+
+
+def _max_objects(nbytes: int) -> int:
+    return _env_limit("RAVEX_MAX_PICKLE_OBJECTS", max(_MIN_MAX_OBJECTS, _OBJECTS_PER_BYTE * nbytes))
+
+
+def _short(value: Any) -> str:
+    """``repr`` of something a pickle built, cut short (a crafted one may be huge)."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother = 3, 60, 60
+    return r.repr(value)
 
 # Element sizes in bytes, keyed by the dtype names Ravex uses everywhere
 # (torch's names without the "torch." prefix).
@@ -147,11 +216,21 @@ class _Placeholder:
     _qualname = ""
 
 
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise pickle.UnpicklingError(f"tensor {what} is {_short(value)}, not a tuple of integers")
+    return tuple(value)
+
+
 def _rebuild_tensor(storage: StorageRef, storage_offset: int, size: Any, stride: Any, *rest: Any) -> TensorRef:
     if not isinstance(storage, StorageRef):
         raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
-    requires_grad = bool(rest[0]) if rest else False
-    return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride), requires_grad)
+    if not isinstance(storage_offset, int) or isinstance(storage_offset, bool):
+        raise pickle.UnpicklingError(f"tensor storage offset is {_short(storage_offset)}, not an integer")
+    requires_grad = bool(rest[0]) if rest and isinstance(rest[0], (bool, int)) else False
+    # Bounds (offset, strides and shape against the storage) are checked by the
+    # archive reader, which knows the storage sizes and the tensor's name.
+    return TensorRef(storage, storage_offset, _ints(size, "shape"), _ints(stride, "strides"), requires_grad)
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any = False, *rest: Any) -> Any:
@@ -173,17 +252,74 @@ def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: Any, st
 def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
     if isinstance(cls, type) and issubclass(cls, _Placeholder):
         return cls.__new__(cls)
-    raise pickle.UnpicklingError(f"copyreg._reconstructor of a class that is not allowed: {cls!r}")
+    raise pickle.UnpicklingError(f"copyreg._reconstructor of a class that is not allowed: {_short(cls)}")
+
+
+def _check_key(key: Any) -> None:
+    """Refuse a dict key / set member whose hash would take unbounded time: a
+    tuple's hash hashes every element, shared ones again each time."""
+    if type(key) in _FLAT_KEYS:
+        return
+    budget = MAX_KEY_OBJECTS
+    stack = [key]
+    while stack:
+        x = stack.pop()
+        budget -= 1
+        if budget < 0:
+            raise _LimitError(f"a dict key or set member holds more than {MAX_KEY_OBJECTS} nested objects (a crafted pickle)")
+        if isinstance(x, (tuple, frozenset)):
+            stack.extend(x)
+        elif isinstance(x, slice):
+            stack.extend((x.start, x.stop, x.step))
+
+
+_FLAT_KEYS = {str, int, float, bool, bytes, type(None)}
+
+
+def _pairs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Check the keys a dict-like constructor is about to hash."""
+    for a in args:
+        if isinstance(a, dict):
+            for k in a:
+                _check_key(k)
+        elif isinstance(a, (list, tuple)):
+            for item in a:
+                if isinstance(item, (list, tuple)) and item:
+                    _check_key(item[0])
+                else:
+                    _check_key(item)
 
 
 def _ordered_dict(*args: Any) -> collections.OrderedDict[Any, Any]:
+    _pairs(args, {})
     return collections.OrderedDict(*args)
+
+
+def _defaultdict(*args: Any) -> collections.defaultdict[Any, Any]:
+    _pairs(args[1:], {})
+    return collections.defaultdict(*args)
+
+
+def _dict(*args: Any) -> dict[Any, Any]:
+    _pairs(args, {})
+    return dict(*args)
+
+
+def _set(*args: Any) -> set[Any]:
+    for a in args:
+        for item in a if isinstance(a, (list, tuple, set, frozenset)) else ():
+            _check_key(item)
+    return set(*args)
+
+
+def _frozenset(*args: Any) -> frozenset[Any]:
+    return frozenset(_set(*args))
 
 
 def _codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
     # how pickle protocol 2 spells a bytes object
-    if encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError(f"_codecs.encode with encoding {encoding!r}")
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode of {_short(text)} with encoding {_short(encoding)}")
     return text.encode("latin-1")
 
 
@@ -193,7 +329,9 @@ def _layout(name: str) -> str:
 
 def _path(*parts: Any) -> str:
     # A path pickled into metadata (DCP's checkpoint_id): kept as text, never opened.
-    return "/".join(str(p) for p in parts)
+    if not all(isinstance(p, str) for p in parts):
+        raise pickle.UnpicklingError(f"a pathlib path made of {_short(parts)}, not of strings")
+    return "/".join(parts)
 
 
 def _torch_size(items: Any = ()) -> tuple[int, ...]:
@@ -250,16 +388,16 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
     ("collections", "OrderedDict"): _ordered_dict,
-    ("collections", "defaultdict"): collections.defaultdict,
+    ("collections", "defaultdict"): _defaultdict,
     ("copyreg", "_reconstructor"): _reconstructor,
     ("builtins", "object"): object,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
+    ("builtins", "set"): _set,
+    ("builtins", "frozenset"): _frozenset,
     ("builtins", "slice"): slice,
     ("builtins", "complex"): complex,
     ("builtins", "tuple"): tuple,
     ("builtins", "list"): list,
-    ("builtins", "dict"): dict,
+    ("builtins", "dict"): _dict,
     ("torch", "Size"): _torch_size,
     ("torch.serialization", "_get_layout"): _layout,
     ("_codecs", "encode"): _codecs_encode,
@@ -270,9 +408,106 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
 }
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, source: str, storages: Callable[[tuple[Any, ...]], Any] | None):
+class _LimitError(Exception):
+    """A bound of the module docstring was hit; ``restricted_loads`` names the file."""
+
+
+_PURE = pickle._Unpickler  # the pure-Python one: its opcodes can be overridden
+
+
+def _load_setitem(self: Any) -> None:
+    stack = self.stack
+    value = stack.pop()
+    key = stack.pop()
+    _check_key(key)
+    stack[-1][key] = value
+
+
+def _load_setitems(self: Any) -> None:
+    items = self.pop_mark()
+    target = self.stack[-1]
+    for i in range(0, len(items), 2):
+        _check_key(items[i])
+        target[items[i]] = items[i + 1]
+
+
+def _load_dict(self: Any) -> None:
+    items = self.pop_mark()
+    for i in range(0, len(items), 2):
+        _check_key(items[i])
+    self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+
+
+def _load_additems(self: Any) -> None:
+    items = self.pop_mark()
+    for item in items:
+        _check_key(item)
+    target = self.stack[-1]
+    if not isinstance(target, set):
+        raise pickle.UnpicklingError("ADDITEMS on something that is not a set")
+    target.update(items)
+
+
+def _load_frozenset(self: Any) -> None:
+    items = self.pop_mark()
+    for item in items:
+        _check_key(item)
+    self.append(frozenset(items))
+
+
+def _load_build(self: Any) -> None:
+    # BUILD sets attributes from a dict: only on the stand-in classes (and a
+    # real OrderedDict, torch's state-dict ``_metadata``), with string names.
+    state = self.stack.pop()
+    inst = self.stack[-1]
+    setstate = getattr(inst, "__setstate__", None)
+    if isinstance(inst, _Placeholder) and setstate is not None:
+        setstate(state)
+        return
+    parts = list(state) if isinstance(state, tuple) and len(state) == 2 else [state]  # (__dict__, slots)
+    for part in parts:
+        if not part:
+            continue
+        if not isinstance(part, dict) or not all(isinstance(k, str) for k in part) or not hasattr(inst, "__dict__"):
+            raise pickle.UnpicklingError(f"BUILD of a {type(inst).__name__} with state {_short(part)}")
+        inst.__dict__.update(part)
+
+
+def _charged(op: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An opcode that calls something (REDUCE, NEWOBJ, ...), charged for what the
+    call built: ``tuple(x)`` or ``_codecs.encode(s)`` copy a memoized object in a
+    few bytes of pickle, so without a budget their copies grow with the square
+    of the pickle's size."""
+
+    def run(self: Any) -> None:
+        op(self)
+        built = self.stack[-1]
+        self.built += len(built) if isinstance(built, _SIZED) else 1
+        if self.built > self.budget:
+            raise _LimitError(f"the pickle's calls build more than {self.budget} objects (copies of shared ones)")
+
+    return run
+
+
+_SIZED = (str, bytes, bytearray, tuple, list, dict, set, frozenset)
+
+
+class _Unpickler(_PURE):
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(_PURE.dispatch)
+    for _op in (pickle.REDUCE, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.OBJ, pickle.INST):
+        dispatch[_op[0]] = _charged(_PURE.dispatch[_op[0]])
+    del _op
+    dispatch[pickle.SETITEM[0]] = _load_setitem
+    dispatch[pickle.SETITEMS[0]] = _load_setitems
+    dispatch[pickle.DICT[0]] = _load_dict
+    dispatch[pickle.ADDITEMS[0]] = _load_additems
+    dispatch[pickle.FROZENSET[0]] = _load_frozenset
+    dispatch[pickle.BUILD[0]] = _load_build
+
+    def __init__(self, data: bytes, source: str, storages: Callable[[tuple[Any, ...]], Any] | None, budget: int):
         super().__init__(io.BytesIO(data))
+        self.built = 0
+        self.budget = budget
         self._source = source
         self._storages = storages
         self._classes: dict[str, type] = {}
@@ -312,52 +547,134 @@ class _Unpickler(pickle.Unpickler):
         return self._storages(pid)
 
 
-def _replace_placeholders(obj: Any, seen: dict[int, Any] | None = None) -> Any:
-    """Swap stand-in instances for their Record, recursively (containers are
-    rebuilt in place so shared references stay shared)."""
-    if seen is None:
-        seen = {}
-    oid = id(obj)
-    if oid in seen:
-        return seen[oid]
-    if isinstance(obj, _Placeholder):
-        rec = obj.__dict__["_record"]
-        seen[oid] = rec
-        rec.args = tuple(_replace_placeholders(a, seen) for a in rec.args)
-        rec.state = _replace_placeholders(rec.state, seen)
-        rec.items = {k: _replace_placeholders(v, seen) for k, v in rec.items.items()}
-        return rec
-    if isinstance(obj, type) and issubclass(obj, _Placeholder):
-        return Record(obj._qualname)
-    if isinstance(obj, dict):
-        seen[oid] = obj
-        items = [(_replace_placeholders(k, seen), _replace_placeholders(v, seen)) for k, v in obj.items()]
-        obj.clear()
-        obj.update(items)
-        return obj
-    if isinstance(obj, list):
-        seen[oid] = obj
-        obj[:] = [_replace_placeholders(v, seen) for v in obj]
-        return obj
-    if isinstance(obj, tuple):
-        new = tuple(_replace_placeholders(v, seen) for v in obj)
-        seen[oid] = new
-        return new
-    return obj
+class _Walk:
+    """Swap stand-in instances for their Record, everywhere (containers are
+    rebuilt in place so shared references stay shared), and bound what the
+    pickle built: each object's size as a tree (a shared object counts every
+    time it is referenced: what a reader walking it visits), its depth, cycles.
+    Linear in the pickle's own objects: each is visited once and its tree size
+    remembered."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.seen: dict[int, tuple[Any, Any, int]] = {}  # id -> (the object, kept alive; its replacement; tree size or -1 while open)
+
+    def visit(self, obj: Any, depth: int) -> tuple[Any, int]:
+        if type(obj) in _FLAT_KEYS:
+            return obj, 1
+        oid = id(obj)
+        hit = self.seen.get(oid)
+        if hit is not None:
+            if hit[2] < 0:
+                raise _LimitError("the pickle builds a cyclic structure (an object that contains itself); no checkpoint has one")
+            return hit[1], hit[2]
+        if depth > MAX_DEPTH:
+            raise _LimitError(f"containers are nested more than {MAX_DEPTH} levels deep")
+        if isinstance(obj, _Placeholder):
+            rec = obj.__dict__["_record"]
+            self.seen[oid] = (obj, rec, -1)
+            args, n1 = self.seq(rec.args, depth)
+            state, n2 = self.visit(rec.state, depth + 1)
+            items, n3 = self.pairs(list(rec.items.items()), depth)
+            rec.args, rec.state, rec.items = tuple(args), state, dict(items)
+            return self.done(oid, obj, rec, 1 + n1 + n2 + n3)
+        if isinstance(obj, type) and issubclass(obj, _Placeholder):
+            return Record(obj._qualname), 1
+        if isinstance(obj, dict):
+            self.seen[oid] = (obj, obj, -1)
+            items, n = self.pairs(list(obj.items()), depth)
+            obj.clear()
+            obj.update(items)
+            return self.done(oid, obj, obj, 1 + n)
+        if isinstance(obj, list):
+            self.seen[oid] = (obj, obj, -1)
+            values, n = self.seq(obj, depth)
+            obj[:] = values
+            return self.done(oid, obj, obj, 1 + n)
+        if isinstance(obj, (tuple, set, frozenset)):
+            self.seen[oid] = (obj, obj, -1)
+            values, n = self.seq(obj, depth)
+            new: Any
+            if isinstance(obj, set):
+                obj.clear()
+                obj.update(values)
+                new = obj
+            else:
+                new = type(obj)(values) if any(a is not b for a, b in zip(values, obj)) else obj
+            return self.done(oid, obj, new, 1 + n)
+        return obj, 1
+
+    def seq(self, values: Any, depth: int) -> tuple[list[Any], int]:
+        out: list[Any] = []
+        total = 0
+        for v in values:
+            new, n = self.visit(v, depth + 1)
+            out.append(new)
+            total += n
+            if total > self.limit:
+                self.too_many()
+        return out, total
+
+    def pairs(self, items: list[tuple[Any, Any]], depth: int) -> tuple[list[tuple[Any, Any]], int]:
+        out: list[tuple[Any, Any]] = []
+        total = 0
+        for k, v in items:
+            k2, n1 = self.visit(k, depth + 1)
+            v2, n2 = self.visit(v, depth + 1)
+            out.append((k2, v2))
+            total += n1 + n2
+            if total > self.limit:
+                self.too_many()
+        return out, total
+
+    def done(self, oid: int, obj: Any, new: Any, size: int) -> tuple[Any, int]:
+        if size > self.limit:
+            self.too_many()
+        self.seen[oid] = (obj, new, size)
+        return new, size
+
+    def too_many(self) -> None:
+        raise _LimitError(
+            f"the pickle describes more than {self.limit} objects once shared references are followed "
+            "(a few bytes can reference one object billions of times)"
+        )
 
 
-def restricted_loads(data: bytes, source: str | Path, storages: Callable[[tuple[Any, ...]], Any] | None = None) -> Any:
+def restricted_loads(
+    data: bytes, source: str | Path, storages: Callable[[tuple[Any, ...]], Any] | None = None, *, max_bytes: int | None = None
+) -> Any:
     """Unpickle ``data`` allowing only checkpoint classes. ``storages`` resolves
-    torch.save persistent ids (``("storage", type, key, location, numel)``)."""
+    torch.save persistent ids (``("storage", type, key, location, numel)``).
+
+    Refused with :class:`UnsafeCheckpointError`: a global not allowed, and a
+    pickle past the bounds of the module docstring (size: ``RAVEX_MAX_PICKLE_BYTES``,
+    default 64 MiB; objects: ``RAVEX_MAX_PICKLE_OBJECTS``, default
+    ``max(4 Mi, 4 per byte)``; nesting: 100 levels). ``max_bytes`` replaces the
+    size limit (a caller whose pickles are larger by nature, e.g. DCP
+    metadata of a big run). Damaged bytes raise :class:`CorruptCheckpointError`."""
     src = str(source)
+    limit_hint = "a checkpoint from an untrusted source may be crafted to exhaust memory or time; do not use it"
+    cap = max_pickle_bytes() if max_bytes is None else max_bytes
+    if len(data) > cap:
+        raise UnsafeCheckpointError(
+            f"{src}: the pickle is {len(data)} bytes, more than the {cap} bytes Ravex unpickles",
+            hint=f"if the file is genuine, raise the limit: RAVEX_MAX_PICKLE_BYTES={len(data)}",
+            path=src,
+        )
     try:
-        obj = _Unpickler(data, src, storages).load()
+        limit = _max_objects(len(data))
+        obj = _Unpickler(data, src, storages, limit).load()
+        return _Walk(limit).visit(obj, 0)[0]
     except (UnsafeCheckpointError, CorruptCheckpointError, UnknownFormatError):
         raise
+    except _LimitError as exc:
+        hint = limit_hint
+        if "objects once shared" in str(exc):
+            hint += "; if the file is genuine, raise the limit with RAVEX_MAX_PICKLE_OBJECTS"
+        raise UnsafeCheckpointError(f"{src}: refused: {exc}", hint=hint, path=src) from None
     except Exception as exc:  # noqa: BLE001 -- pickle raises any type on garbage input
         raise CorruptCheckpointError(
-            f"{src}: the pickle inside cannot be read ({type(exc).__name__}: {exc})",
+            f"{src}: the pickle inside cannot be read ({type(exc).__name__}: {str(exc)[:200]})",
             hint="the file is truncated or damaged; copy it again from where the run wrote it",
             path=src,
         ) from None
-    return _replace_placeholders(obj)

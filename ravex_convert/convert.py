@@ -7,8 +7,9 @@ the target layout and the Rust executor moves the bytes once.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,11 @@ from . import _core
 from ._engine import SourceTable, chunk_bytes
 from ._output import Options, durability, out_dtype, select
 from .detect import detect, inspect, read_checkpoint
-from .errors import RavexError
+from .errors import CorruptCheckpointError, LayoutMismatchError, RavexError
 from .formats import native, safetensors, torch_save
-from .model import MODEL, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
+from .model import MODEL, OBJ, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
 
-__all__ = ["RESHARDABLE", "TARGETS", "convert", "load_state_dict", "materialize", "parse_size", "reshard"]
+__all__ = ["RESHARDABLE", "TARGETS", "convert", "infer_target", "left_out", "load_state_dict", "materialize", "parse_size", "reshard"]
 
 TARGETS = ("safetensors", "torch_save", "native", "dcp", "zero")
 RESHARDABLE = ("zero", "dcp", "native")
@@ -43,10 +44,29 @@ def parse_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
+# What a DST's name says about the format to write (`ravex convert SRC DST` without --to).
+_SUFFIXES = {".safetensors": "safetensors", ".pt": "torch_save", ".pth": "torch_save", ".bin": "torch_save"}
+
+
+def infer_target(dst: str | Path) -> str:
+    """The format a DST's name asks for: ``.safetensors`` -> safetensors;
+    ``.pt``, ``.pth``, ``.bin`` -> torch_save. Anything else (a directory, a
+    name without a known suffix) is refused: dcp, zero and native all write
+    directories, and which one is meant cannot be told from a name."""
+    p = Path(dst)
+    fmt = _SUFFIXES.get(p.suffix.lower())
+    if fmt is None or p.is_dir():
+        why = "is a directory" if p.is_dir() else (f"ends in '{p.suffix}'" if p.suffix else "has no suffix")
+        raise RavexError(f"{dst}: cannot tell which format to write: the name {why}",
+                         hint="pass --to (safetensors, torch_save, dcp, zero or native); without it Ravex writes safetensors "
+                         "for a name ending in .safetensors and torch_save for .pt, .pth or .bin")
+    return fmt
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
-    to: str,
+    to: str | None = None,
     *,
     tag: str | None = None,
     index: int = -1,
@@ -67,7 +87,9 @@ def convert(
     progress: Callable[[int], None] | None = None,
     sync: bool = True,
 ) -> dict[str, Any]:
-    """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
+    """Convert the checkpoint at ``src`` into format ``to`` at ``dst`` (``to``
+    None: taken from ``dst``'s name, see :func:`infer_target`, and said so in
+    the notes).
 
     Returns a summary (tensors, bytes, files, seconds; with ``dry_run`` the plan
     instead, and nothing is written). Raises :class:`RavexError` subclasses.
@@ -78,7 +100,14 @@ def convert(
     With ``sync=False`` (``--no-sync``) the output is renamed into place without
     waiting for it to reach the disk, as ``cp`` does: faster, but an OS crash or
     power cut soon after can leave a DST that looks complete and is not.
+    Whatever of the source is not carried over is listed under ``left_out``
+    (files of a source directory no reader took, optimizer and training state
+    a weights-only output drops) and named in ``notes``.
     """
+    chosen: list[str] = []
+    if to is None:
+        to = infer_target(dst)
+        chosen.append(f"writing {to} (no --to given; chosen from the name {Path(dst).name})")
     if to not in TARGETS:
         raise RavexError(f"--to {to}: not a format Ravex writes yet", hint=f"use one of {', '.join(TARGETS)}")
     if to == "zero" and zero_stage not in (1, 2, 3):
@@ -94,23 +123,182 @@ def convert(
     if not opts.weights_only and "optimizer_error" in ckpt.source:
         raise ckpt.source["optimizer_error"]
     out = select(ckpt, opts)
+    _param_groups(out, to, opts, hyperparameters)
     if ckpt.format == "native" and not dry_run:
         # the store's checksums are checked before any byte is used (docs/format.md section 12)
         native.verify_chunks(ckpt, [n for n in ckpt.tensors if not opts.weights_only or n.startswith(MODEL)])
-    notes = list(ckpt.notes)
-    if to == "safetensors" and any(n.startswith(OPTIM) for n in ckpt.tensors):
-        notes.append("safetensors holds weights only: the optimizer state was left out (use --to torch_save or native to keep it)")
+    dropped = left_out(src, ckpt, opts, to)
+    notes = chosen + list(ckpt.notes) + [_drop_note(d) for d in dropped]
     dst = Path(dst)
     if dry_run:
-        summary = plan(out, opts)
-        summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes})
+        try:
+            summary = plan(out, opts)
+        except _core.CorruptSourceError as exc:
+            raise CorruptCheckpointError(f"{exc.path or src}: the file does not hold what the checkpoint's metadata says ({str(exc).split(chr(10))[0]})",
+                                         hint="a file is truncated or damaged; copy the checkpoint again", path=exc.path or src) from None
+        summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "left_out": dropped})
         return summary
     with durability(sync):
         result = _write(out, dst, to, opts, progress, zero_stage=zero_stage, precision=precision, buffers=buffers,
                         hyperparameters=hyperparameters, metadata_form=metadata_form)
     result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
-                   "seconds": time.perf_counter() - t0, "synced": sync})
+                   "left_out": dropped, "seconds": time.perf_counter() - t0, "synced": sync})
     return result
+
+
+# Hyper-parameters an optimizer steps with, which a loader must find in each param group.
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+_HYPER_HINT = ("pass them with --hyperparameters FILE.json (hyperparameters=[...] in Python), one dict per param group, in order. "
+               "Loading DCP into a live optimizer needs every key of its param groups, so write them from the optimizer the run resumes with: "
+               "json.dump([{k: v for k, v in g.items() if k != 'params'} for g in optimizer.state_dict()['param_groups']], f). "
+               "Or pass --weights-only to leave the optimizer state out")
+
+
+def _param_groups(out: Checkpoint, to: str, opts: Options, given: Sequence[Mapping[str, Any]] | None) -> None:
+    """Param groups complete enough for the target's loaders, or a refusal.
+
+    An elastic DeepSpeed checkpoint saves no hyper-parameters (a group is its
+    parameter names only). torch's ``Optimizer.load_state_dict`` replaces each
+    group by the saved one and DCP's loader wants every key of the live
+    optimizer's state dict, so a DCP or torch_save output without them does not
+    resume; ``given`` (``--hyperparameters``) fills them in. The ZeRO writer
+    does the same itself."""
+    groups = out.objects.get("optim.param_groups")
+    if given is not None:
+        if opts.weights_only:
+            raise RavexError("--hyperparameters applies to outputs with optimizer state; this one is weights only "
+                             f"({'safetensors holds weights only' if to == 'safetensors' else '--weights-only'})",
+                             hint="leave --hyperparameters out, or write torch_save, dcp, zero or native")
+        if not isinstance(given, Sequence) or not all(isinstance(g, Mapping) for g in given):
+            raise RavexError("--hyperparameters must be a JSON list with one dict per param group",
+                             hint='write e.g. [{"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0.1}]')
+        if not isinstance(groups, list) or not groups:
+            raise LayoutMismatchError(f"{out.path}: the source has no optimizer param groups to give --hyperparameters to",
+                                      hint="leave --hyperparameters out")
+        if len(given) != len(groups):
+            raise LayoutMismatchError(f"--hyperparameters has {len(given)} entries; {out.path} has {len(groups)} param groups",
+                                      hint="pass one dict per param group, in order")
+        if to == "zero":
+            return  # the ZeRO writer merges them itself (and checks them against DeepSpeed's needs)
+        merged = []
+        for entry, extra in zip(groups, given):
+            hyper = {str(k): v for k, v in extra.items() if k != "params"}
+            if isinstance(hyper.get("betas"), list):
+                hyper["betas"] = tuple(hyper["betas"])  # as torch's Adam keeps them
+            merged.append({**(entry if isinstance(entry, dict) else {}), **hyper})
+        out.objects["optim.param_groups"] = merged
+        groups = merged
+    if to not in ("dcp", "torch_save") or not isinstance(groups, list) or not any(n.startswith(OPTIM) for n in out.tensors):
+        return
+    need = _ADAM_KEYS if {"exp_avg", "exp_avg_sq"} & set(out.optimizer_state_names()) else ("lr",)
+    for g, entry in enumerate(groups):
+        missing = [k for k in need if not isinstance(entry, dict) or k not in entry]
+        if missing:
+            elastic = isinstance(entry, dict) and not entry.keys() - {"params"}
+            why = " (an elastic DeepSpeed checkpoint does not save them)" if elastic else ""
+            fails = (f"dcp.load stops with 'Missing key in checkpoint state_dict: optim.param_groups.{g}.{missing[0]}'" if to == "dcp" else
+                     "torch's optimizer.load_state_dict replaces each param group by the saved one, so the optimizer would step without them")
+            raise LayoutMismatchError(f"{out.path}: param group {g} has no {', '.join(missing)}{why}; a {to} checkpoint without them "
+                                      f"does not resume ({fails})", hint=_HYPER_HINT)
+
+
+# Files a format's reader takes that ``inspect`` does not list as the checkpoint's own:
+# pointers and store-level records.
+_POINTERS = {"zero": ("latest",), "native": ("manifest.json", "ravex-store.json", "lock")}
+
+
+def left_out(src: str | Path, ckpt: Checkpoint, opts: Options, to: str) -> list[dict[str, Any]]:
+    """What of the source the output does not carry: for a source directory,
+    every file no reader took (a whole directory of them as one entry, e.g.
+    another tag); with weights only, the optimizer state and the training
+    state. Each entry: ``what``, ``kind`` (file | directory | tensors | state;
+    unchecked where the directory could not be listed against the checkpoint),
+    ``reason``, and ``count`` where it counts things."""
+    out: list[dict[str, Any]] = []
+    root = Path(src)
+    if root.is_dir():
+        out += _unread_files(root, ckpt)
+    if opts.weights_only:
+        why = ("safetensors holds weights only (--to torch_save, dcp or native keeps it)" if to == "safetensors"
+               else "--weights-only asked to leave it out")
+        optim = [n for n in ckpt.tensors if n.startswith(OPTIM)]
+        if optim or "optim.param_groups" in ckpt.objects:
+            out.append({"what": "optimizer state", "kind": "tensors", "count": len(optim), "reason": why})
+        state = sorted(k for k in ckpt.objects if not k.startswith("optim."))
+        objs = [n for n in ckpt.tensors if n.startswith(OBJ)]
+        if state or objs:
+            out.append({"what": ", ".join(state) or "training state", "kind": "state", "count": len(state) + len(objs), "reason": why})
+    return out
+
+
+def _drop_note(d: dict[str, Any]) -> str:
+    if d["kind"] == "unchecked":
+        return f"{d['what']}: {d['reason']}"
+    if d["kind"] == "tensors":
+        return f"{d['what']} ({d['count']} tensors) not written: {d['reason']}"
+    if d["kind"] == "state":
+        return f"training state not written ({d['what']}): {d['reason']}"
+    if d["kind"] == "directory":
+        return f"left out: {d['what']} ({d['count']} file(s)): {d['reason']}"
+    return f"left out: {d['what']}: {d['reason']}"
+
+
+def _unread_files(root: Path, ckpt: Checkpoint) -> list[dict[str, Any]]:
+    """Files under ``root`` that are not part of the checkpoint read from it."""
+    try:
+        info = inspect(root, tag=ckpt.source.get("tag") if ckpt.format == "zero" else None,
+                       index=ckpt.source["index"] if ckpt.format == "native" and isinstance(ckpt.source.get("index"), int) else -1)
+    except Exception as exc:  # noqa: BLE001 - the reader took the checkpoint; this listing must not fail the conversion
+        why = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
+        return [{"what": f"{root}/", "kind": "unchecked", "reason": f"could not tell which of its files the checkpoint leaves aside ({why})"}]
+    base = Path(info.path)
+    taken = {_key(base / f.path) for f in info.files}
+    taken |= {_key(root / f.path) for f in info.files}
+    taken |= {_key(c.file) for t in ckpt.tensors.values() for c in t.chunks if c.file is not None}
+    taken |= {_key(root / n) for n in _POINTERS.get(ckpt.format, ())}
+    # directory -> (files under it, of which not taken), without following links out of the tree
+    unread: dict[Path, list[Path]] = {}
+    total: dict[Path, int] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        d = Path(dirpath)
+        dirnames.sort()
+        for name in sorted(filenames):
+            f = d / name
+            for parent in [d, *d.parents]:
+                total[parent] = total.get(parent, 0) + 1
+                if parent == root:
+                    break
+            if _key(f) not in taken:
+                unread.setdefault(d, []).append(f)
+    missing = {d: len(fs) for d, fs in unread.items()}
+    below: dict[Path, int] = {}
+    for d, n in missing.items():
+        for parent in [d, *d.parents]:
+            below[parent] = below.get(parent, 0) + n
+            if parent == root:
+                break
+    entries: list[dict[str, Any]] = []
+    reason = f"not part of the {ckpt.format} checkpoint Ravex read"
+    other = "another checkpoint in the same directory (--tag or --index picks it)"
+
+    def visit(d: Path) -> None:
+        if d != root and below.get(d, 0) == total.get(d, 0) and below.get(d, 0):
+            looks = any(p.name.endswith("model_states.pt") or p.name == "checkpoint.json" for p in d.rglob("*"))
+            entries.append({"what": f"{d.relative_to(root)}/", "kind": "directory", "count": below[d], "reason": other if looks else reason})
+            return
+        for f in unread.get(d, []):
+            looks = f.name == "checkpoint.json" or f.name.endswith("model_states.pt")
+            entries.append({"what": str(f.relative_to(root)), "kind": "file", "reason": other if looks else reason})
+        for sub in sorted(p for p in below if p.parent == d and p != d):
+            visit(sub)
+
+    if below:
+        visit(root)
+    return entries
+
+
+def _key(p: Path) -> str:
+    return os.path.realpath(p)
 
 
 def _write(out: Checkpoint, dst: Path, to: str, opts: Options, progress: Callable[[int], None] | None, *, zero_stage: int | None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import NotFoundError, RavexError, UnknownFormatError
+from .errors import NotFoundError, RavexError, UnknownFormatError, from_os_error
 from .formats import dcp, native, safetensors, torch_save, zero
 from .info import CheckpointInfo
 from .model import Checkpoint
@@ -59,6 +59,9 @@ def detect(path: str | Path) -> Detection:
         reasons = sniff(p)
         if reasons:
             return Detection(name, p, reasons)
+    # A sniffer that cannot open a file sees no format in it: say that the file
+    # cannot be read rather than that it is no checkpoint.
+    _readable(p)
     if p.is_dir():
         seen = ", ".join(sorted(e.name for e in p.iterdir())[:6])
         raise UnknownFormatError(
@@ -72,6 +75,18 @@ def detect(path: str | Path) -> Detection:
         hint="for a DeepSpeed or DCP checkpoint, pass the directory rather than a file inside it",
         path=p,
     )
+
+
+def _readable(p: Path) -> None:
+    """Raise :class:`FileSystemError` for the first file at ``p`` (the file, or
+    the files directly in the directory) that cannot be read."""
+    files = [p] if not p.is_dir() else sorted(e for e in p.iterdir() if e.is_file())
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                fh.read(1)
+        except OSError as exc:
+            raise from_os_error(exc, path=f) from None
 
 
 def inspect(path: str | Path, *, tag: str | None = None, index: int = -1) -> CheckpointInfo:

@@ -4,13 +4,16 @@
 //! `("flat", start, length)`; a chunk's id is its index in the list given.
 //! Chunks stored in files are `(file index, byte offset, region, dtype name)`.
 //! Arguments are converted to Rust values first, then the work runs with the
-//! GIL released. Bad arguments and bad layouts raise `ValueError`; failing
-//! file operations raise `OSError` (its subclass by errno, with `filename`).
+//! GIL released. Malformed arguments raise `ValueError`; failing file
+//! operations raise `OSError` (its subclass by errno, with `filename`); source
+//! bytes that do not match their metadata raise `CorruptSourceError` (a
+//! `ValueError`); a failed invariant of the job raises `InternalError` (a
+//! `RuntimeError`). See `py_err`.
 
 use std::path::PathBuf;
 
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
@@ -19,9 +22,9 @@ use crate::compare::{compare as compare_impl, Tolerance};
 use crate::compress;
 use crate::dtype::DType;
 use crate::exec::{self, Job, Options, Stats, TensorJob, DEFAULT_WINDOW_BYTES};
-use crate::files::{ChunkRef, Error, Source};
+use crate::files::{ChunkRef, Error, Side, Source};
 use crate::geometry::Region;
-use crate::plan::{plan, Chunk};
+use crate::plan::{plan, Chunk, PlanError};
 
 /// `(target_index, source_index, src_elem, dst_elem, len)`
 type RunTuple = (usize, usize, u64, u64, u64);
@@ -136,8 +139,41 @@ fn plan_runs(
         .collect())
 }
 
-/// A core error as the Python exception that means the same.
+pyo3::create_exception!(
+    ravex_convert._core,
+    CorruptSourceError,
+    PyValueError,
+    "A source's bytes are not what its metadata says (a file shorter than its chunks, a frame that does not decode, chunks that leave a tensor uncovered). `tensor` is the tensor's index in the job and `path` the file, where known."
+);
+pyo3::create_exception!(
+    ravex_convert._core,
+    InternalError,
+    PyRuntimeError,
+    "An invariant of Ravex's own failed (a plan that does not tile its targets, a bad argument from the Python side): a bug to report, not bad data."
+);
+
+/// An exception of class `T` carrying `tensor` and `path` attributes.
+fn with_place<T: pyo3::PyTypeInfo>(
+    msg: String,
+    tensor: Option<usize>,
+    path: Option<String>,
+) -> PyErr {
+    Python::attach(|py| {
+        let err = PyErr::new::<T, _>(msg);
+        let value = err.value(py);
+        // Setting attributes on a fresh exception instance cannot fail.
+        let _ = value.setattr("tensor", tensor);
+        let _ = value.setattr("path", path);
+        err
+    })
+}
+
+/// A core error as the Python exception that means the same: an OS error as
+/// `OSError` (its subclass by errno, with `filename`); bad source data as
+/// [`CorruptSourceError`] (a `ValueError`); anything else, which only a bug in
+/// Ravex produces, as [`InternalError`].
 fn py_err(e: Error) -> PyErr {
+    let msg = e.to_string();
     match &e {
         Error::Io {
             action,
@@ -155,9 +191,27 @@ fn py_err(e: Error) -> PyErr {
                     path.display().to_string(),
                 ))
             }
-            None => PyOSError::new_err(e.to_string()),
+            None => PyOSError::new_err(msg),
         },
-        _ => PyValueError::new_err(e.to_string()),
+        Error::OutOfFile { at, file, .. } if at.side != Side::Target => {
+            with_place::<CorruptSourceError>(msg, at.tensor, Some(file.clone()))
+        }
+        Error::RangeOutOfFile { path, .. } => {
+            with_place::<CorruptSourceError>(msg, None, Some(path.display().to_string()))
+        }
+        // The readers take source chunks and shapes from the checkpoint's
+        // metadata; targets are Ravex's own choice.
+        Error::Plan {
+            tensor,
+            error: PlanError::Source { .. } | PlanError::Uncovered { .. } | PlanError::Shape(_),
+        } => with_place::<CorruptSourceError>(msg, Some(*tensor), None),
+        Error::Corrupt(_) => with_place::<CorruptSourceError>(msg, None, None),
+        Error::Plan { tensor, .. } => with_place::<InternalError>(msg, Some(*tensor), None),
+        Error::OutOfFile { at, .. } => with_place::<InternalError>(msg, at.tensor, None),
+        Error::DType(_)
+        | Error::FileIndex { .. }
+        | Error::TargetOverlap { .. }
+        | Error::Invalid(_) => with_place::<InternalError>(msg, None, None),
     }
 }
 
@@ -542,6 +596,55 @@ fn decompress_frame<'py>(
     Ok(PyBytes::new(py, &data))
 }
 
+/// The zstd frame of `stored_len` bytes at `offset` of the file, decoded in
+/// bounded pieces into the file `dst` (which must exist; it is truncated), or
+/// only hashed when `dst` is None. Returns the XXH3-64 of the decoded bytes.
+#[pyfunction]
+#[pyo3(signature = (path, offset, stored_len, expected_len, dst=None))]
+fn decompress_frame_to(
+    py: Python<'_>,
+    path: &Bound<'_, PyAny>,
+    offset: i64,
+    stored_len: i64,
+    expected_len: i64,
+    dst: Option<&Bound<'_, PyAny>>,
+) -> PyResult<u64> {
+    let path = path_arg(path, "path")?;
+    let offset = checked(offset, "offset")?;
+    let stored_len = checked(stored_len, "stored_len")?;
+    let expected_len = checked(expected_len, "expected_len")?;
+    let dst = dst.map(|d| path_arg(d, "dst")).transpose()?;
+    py.detach(|| -> Result<u64, Error> {
+        match &dst {
+            None => compress::decompress_frame_into(
+                &path,
+                offset,
+                stored_len,
+                expected_len,
+                &mut std::io::sink(),
+            ),
+            Some(d) => {
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .truncate(true)
+                    .open(d)
+                    .map_err(|e| Error::io("cannot open", d, e))?;
+                let mut out = std::io::BufWriter::new(file);
+                let h = compress::decompress_frame_into(
+                    &path,
+                    offset,
+                    stored_len,
+                    expected_len,
+                    &mut out,
+                )?;
+                std::io::Write::flush(&mut out).map_err(|e| Error::io("cannot write", d, e))?;
+                Ok(h)
+            }
+        }
+    })
+    .map_err(py_err)
+}
+
 /// Compares two stored copies of one tensor of global shape `shape`, element
 /// by element: `a_chunks` and `b_chunks` are `(source index, byte offset,
 /// region, dtype)` and must each cover the tensor. Returns `(n_diff,
@@ -579,6 +682,16 @@ fn compare<'py>(
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    let py = m.py();
+    for (name, ty) in [
+        ("CorruptSourceError", py.get_type::<CorruptSourceError>()),
+        ("InternalError", py.get_type::<InternalError>()),
+    ] {
+        // class-level defaults, so every instance (and the stub) has both
+        ty.setattr("tensor", py.None())?;
+        ty.setattr("path", py.None())?;
+        m.add(name, ty)?;
+    }
     m.add_function(wrap_pyfunction!(plan_runs, m)?)?;
     m.add_function(wrap_pyfunction!(execute, m)?)?;
     m.add_function(wrap_pyfunction!(plan_summary, m)?)?;
@@ -586,6 +699,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
     m.add_function(wrap_pyfunction!(compress_range, m)?)?;
     m.add_function(wrap_pyfunction!(decompress_frame, m)?)?;
+    m.add_function(wrap_pyfunction!(decompress_frame_to, m)?)?;
     m.add_function(wrap_pyfunction!(compare, m)?)?;
     Ok(())
 }

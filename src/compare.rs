@@ -154,12 +154,12 @@ fn whole_runs(shape: &[u64], chunks: &[ChunkRef], side: Side) -> Result<Vec<Sour
             len,
             first_missing,
             ..
-        }) => Err(Error::Invalid(format!(
+        }) => Err(Error::Corrupt(format!(
             "the {side} chunks leave {missing} of the tensor's {len} elements uncovered, \
              the first at global index {first_missing:?}"
         ))),
         Err(PlanError::Source { id, error }) => {
-            Err(Error::Invalid(format!("{side} chunk {id}: {error}")))
+            Err(Error::Corrupt(format!("{side} chunk {id}: {error}")))
         }
         Err(e) => Err(Error::Invalid(e.to_string())),
     }

@@ -118,6 +118,11 @@ pub enum Error {
         len: u64,
         actual: u64,
     },
+    /// The source's bytes are not what its metadata says (a zstd frame that
+    /// does not decode, chunks that leave part of a tensor uncovered).
+    #[error("{0}")]
+    Corrupt(String),
+    /// A bad argument or an impossible job: a bug in the caller, not bad data.
     #[error("{0}")]
     Invalid(String),
 }

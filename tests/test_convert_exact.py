@@ -102,6 +102,17 @@ def _names_file(name: str, tmp_path: Path) -> list[str]:
     return ["--param-names", str(f)]
 
 
+def _hyper_args(name: str, tmp_path: Path) -> list[str]:
+    """An elastic DeepSpeed save keeps no param-group hyper-parameters; torch_save
+    and DCP outputs need them, so the user passes the run's (issue 11, point 10)."""
+    if "e_ws" not in name:
+        return []
+    _, meta = _true(name)
+    f = tmp_path / "hp.json"
+    f.write_text(json.dumps([{k: v for k, v in g.items() if k != "params"} for g in meta["param_groups"]]))
+    return ["--hyperparameters", str(f)]
+
+
 def test_position_keyed_optimizer_is_not_guessed(tmp_path: Path) -> None:
     # buffers look like parameters in a plain state dict: the mapping is ambiguous
     res = run_ravex("convert", _src("torch_save"), tmp_path / "o.pt", "--to", "torch_save")
@@ -115,7 +126,10 @@ def test_position_keyed_optimizer_is_not_guessed(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", FIXTURES)
 def test_to_torch_save(name: str, tmp_path: Path) -> None:
     dst = tmp_path / "out.pt"
-    res = run_ravex("convert", _src(name), dst, "--to", "torch_save", "--quiet", *_names_file(name, tmp_path))
+    if "e_ws" in name:  # refused without the hyper-parameters the save lacks
+        res = run_ravex("convert", _src(name), dst, "--to", "torch_save", "--quiet")
+        assert res.returncode == 8 and "--hyperparameters" in res.stderr and not dst.exists()
+    res = run_ravex("convert", _src(name), dst, "--to", "torch_save", "--quiet", *_names_file(name, tmp_path), *_hyper_args(name, tmp_path))
     assert res.returncode == 0, res.stderr
     state = torch.load(dst, weights_only=True, map_location="cpu")
     _check_weights(name, state["model"], all_names=not name.startswith("safetensors"))
@@ -142,9 +156,7 @@ def test_to_torch_save(name: str, tmp_path: Path) -> None:
     groups = state["optim"]["param_groups"]
     assert [sorted(g["params"]) for g in groups] == [sorted(p for p in g["params"] if p in opt) for g in meta["param_groups"]]
     for g, want in zip(groups, meta["param_groups"]):
-        if "e_ws" in name:  # elastic_checkpoint saves keep no group hyper-parameters (the reader says so)
-            assert set(g) == {"params"}
-            continue
+        # (elastic saves: the hyper-parameters passed with --hyperparameters)
         assert (g["lr"], g["weight_decay"], tuple(g["betas"]), g["eps"]) == (want["lr"], want["weight_decay"], tuple(want["betas"]), want["eps"])
 
 
@@ -227,7 +239,7 @@ def test_to_native_and_back(name: str, tmp_path: Path) -> None:
     weights_only = ["--weights-only"] if names else []
     for index in ("0", "1"):
         out = tmp_path / f"back{index}.pt"
-        assert run_ravex("convert", store, out, "--to", "torch_save", "--index", index, "-q").returncode == 0
+        assert run_ravex("convert", store, out, "--to", "torch_save", "--index", index, "-q", *_hyper_args(name, tmp_path)).returncode == 0
         res = run_ravex("verify", _src(name), out, *weights_only)
         assert res.returncode == 0, res.stdout + res.stderr
     res = run_ravex("verify", _src(name), store, *weights_only)

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import CopyJob, Target
+from .._layout import PathItem, layout_of, optimizer_tree, place
 from .._output import Options, fsync_dir, fsync_fd, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, PickleDict, PickleGlobal, PickleObject, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import RavexError
@@ -66,8 +67,6 @@ __all__ = ["METADATA_FORMS", "write"]
 METADATA_FORMS = ("current", "compat")
 _DCP_VERSION = "1.0.0"  # torch's CURRENT_DCP_VERSION (2.6 to 2.15)
 _SERIALIZATION_ID = b"ravex00000000000"
-
-PathItem = str | int
 
 
 # ---------------------------------------------------------------- the state to write
@@ -83,26 +82,10 @@ class _Leaf:
     sharded: bool  # cut on dim 0 across ranks as FSDP2 does; otherwise one whole chunk
 
 
-def _nest_extra(extra: dict[str, Any]) -> dict[str, Any]:
-    """The DCP reader keeps a non-optimizer value under its nesting joined by "/"
-    (``lr_scheduler/last_epoch``): nest it again so it goes back under the same
-    flat key (a list index comes back as a dict key: the same flat key)."""
-    out: dict[str, Any] = {}
-    for key, value in extra.items():
-        parts = str(key).split("/")
-        node = out
-        for p in parts[:-1]:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise RavexError(f"the extra state has both a value and nested values under '{p}' ('{key}')")
-            node = nxt
-        node.setdefault(parts[-1], value)
-    return out
-
-
 def _state(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:
     """The portable layout ``{"model": sd, "optim": {"state", "param_groups"}, ...extra}``,
-    tensors as :class:`_Leaf`."""
+    or where the source's ``state_layout`` puts the model and optimizer (a DCP
+    source's own nesting, kept by a reshard), tensors as :class:`_Leaf`."""
 
     def leaf(name: str, sharded: bool) -> _Leaf:
         if name not in ckpt.tensors and name not in ckpt.aliases:
@@ -125,22 +108,24 @@ def _state(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:
         return v
 
     names = list(ckpt.tensors) + list(ckpt.aliases)
-    root: dict[str, Any] = {"model": {n[len(MODEL):]: leaf(n, True) for n in names if n.startswith(MODEL)}}
+    layout = layout_of(ckpt.source)  # where the source kept them: {"app": {"model", "optim"}}, torchtitan's "optimizer", ...
+    root: dict[str, Any] = {}
+    place(root, layout.model, {n[len(MODEL):]: leaf(n, True) for n in names if n.startswith(MODEL)})
     optim_state: dict[str, dict[str, Any]] = {}
     for n in names:
         if n.startswith(OPTIM):
             _, state, fqn = n.split("/", 2)
             optim_state.setdefault(fqn, {})[state] = leaf(n, True)
     if optim_state or "optim.param_groups" in ckpt.objects:
-        root["optim"] = {"state": optim_state, "param_groups": values(ckpt.objects.get("optim.param_groups", []))}
+        place(root, layout.optim, optimizer_tree(layout, optim_state, values(ckpt.objects.get("optim.param_groups", []))))
     for key, value in ckpt.objects.items():
         if key == "optim.param_groups":
             continue
         if key == "extra" and isinstance(value, dict):
-            for k, v in (_nest_extra(value) if ckpt.format == "dcp" else value).items():
-                root.setdefault(k, values(v))
+            for k, v in value.items():  # the source's own keys, at their nesting (merged where they share a dict with the model)
+                place(root, (str(k),), values(v))
         else:
-            root.setdefault(key, values(value))
+            place(root, (key,), values(value))
     # No top-level "step" of our own: DCP has no such key (Ravex's reader takes the
     # step from the optimizer's), and a source's own step counters are in its objects.
     return root

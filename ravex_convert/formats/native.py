@@ -1,29 +1,37 @@
 """The native Ravex store (spec: docs/format.md, version 1).
 
-This module holds what detection and inspection need: recognising a store or
-one of its checkpoints, reading the manifest, resolving ``-1`` to the newest
-complete checkpoint, and summarising a checkpoint's metadata.
+This module holds what detection, inspection and loading need: recognising a
+store or one of its checkpoints, reading the manifest, choosing a checkpoint
+(``-1``: the newest), and turning its metadata into a :class:`Checkpoint`.
+Every JSON file is read and checked by :mod:`.native_check` first; every path
+the metadata names is kept inside the store (``_paths.inside``); chunk bytes
+are verified by :func:`verify_chunks` before they are used.
 """
 
 from __future__ import annotations
 
-import json
 import re
+import stat
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from .._paths import inside
 from .._tagged import decode
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
-from ..model import Box, Checkpoint, Chunk, Flat, LogicalTensor, Region
+from ..model import Checkpoint, Chunk
+from .native_check import FORMAT_VERSION, Checked, check_checkpoint, check_manifest, load_json, metadata_checksum
 
 __all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "describe", "read", "read_manifest", "resolve", "sniff", "verify_chunks"]
 
 STORE_MARKER = "ravex-store.json"
 MANIFEST = "manifest.json"
 CHECKPOINT = "checkpoint.json"
-FORMAT_VERSION = 1
+_NUMBERED = re.compile(r"\d{8}")
+_MANIFEST_HINT = "the manifest is damaged; restore it from a copy of the store"
+_META_HINT = "the checkpoint's metadata is damaged or was edited; restore the store from a copy, or read another checkpoint (--index)"
 
 
 def sniff(path: Path) -> list[str] | None:
@@ -43,55 +51,198 @@ def sniff(path: Path) -> list[str] | None:
 
 
 def _load_json(path: Path, expected_format: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{path}: missing", hint="the store is incomplete; copy the whole store directory", path=path) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"{path}: not valid JSON ({exc})", hint="the file is damaged; restore it from a copy of the store", path=path) from None
-    if not isinstance(doc, dict) or doc.get("format") != expected_format:
-        raise CorruptCheckpointError(f"{path}: not a {expected_format} document (its 'format' field is {doc.get('format') if isinstance(doc, dict) else None!r})", path=path)
-    version = doc.get("format_version")
-    if not isinstance(version, int) or version < 1:
-        raise CorruptCheckpointError(f"{path}: format_version is missing or invalid ({version!r})", path=path)
-    if version > FORMAT_VERSION:
-        raise RavexError(
-            f"{path}: written in Ravex store format version {version}; this Ravex reads up to version {FORMAT_VERSION}",
-            hint="upgrade Ravex (pip install -U ravex) to read this store",
-            path=path,
-        )
-    return doc
+    """One of the store's JSON files, strictly parsed, format and version checked."""
+    hint = _MANIFEST_HINT if path.name == MANIFEST else _META_HINT if path.name == CHECKPOINT else \
+        f"{path.name} is damaged; restore it from a copy of the store"
+    return load_json(path, expected_format, hint=hint)[0]
+
+
+def _store_file(store: Path, name: str) -> Path:
+    """``store / name``, refused when it is a link leading out of the store."""
+    return inside(store, name, "the store file", store)
 
 
 def read_manifest(store: Path) -> dict[str, Any]:
-    _load_json(store / STORE_MARKER, "ravex-store")
-    manifest = _load_json(store / MANIFEST, "ravex-store")
-    if not isinstance(manifest.get("checkpoints"), list):
-        raise CorruptCheckpointError(f"{store / MANIFEST}: has no 'checkpoints' list", path=store / MANIFEST)
+    """The store's manifest, with the marker and every entry checked (section 17.1, 17.2)."""
+    marker = _store_file(store, STORE_MARKER)
+    load_json(marker, "ravex-store", hint=f"{STORE_MARKER} is damaged; restore it from a copy of the store")
+    path = _store_file(store, MANIFEST)
+    manifest = load_json(path, "ravex-store", hint=_MANIFEST_HINT,
+                         missing_hint="the store has lost its manifest; restore the store from a copy")[0]
+    check_manifest(manifest, path)
     return manifest
 
 
-def resolve(store: Path, index: int = -1) -> tuple[dict[str, Any], Path]:
-    """The manifest entry and directory of checkpoint ``index`` (negative: from the newest complete one)."""
+# ---------------------------------------------------------------- choosing and opening a checkpoint
+
+
+@dataclass
+class _Opened:
+    store: Path  # the store root (for a checkpoint copied out of its store: where it would be)
+    ckpt_dir: Path
+    variant: str  # "store" or "checkpoint"
+    manifest: dict[str, Any] | None
+    entry: dict[str, Any] | None
+    doc: dict[str, Any]
+    checked: Checked
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def json_path(self) -> Path:
+        return self.ckpt_dir / CHECKPOINT
+
+
+def _load_entry(store: Path, entry: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any], Path]:
+    """The checkpoint.json of a manifest entry, its bytes checked against the
+    entry's ``metadata_checksum`` (section 8); entries written before it have none."""
+    index = entry["index"]
+    ckpt_dir = inside(store, str(entry["dir"]), "checkpoint directory", store / MANIFEST)
+    path = inside(store, f"{entry['dir']}/{CHECKPOINT}", "checkpoint metadata", store / MANIFEST)
+    doc, raw = load_json(path, "ravex-checkpoint", hint=_META_HINT,
+                         missing_hint=f"checkpoint {index} is listed in {MANIFEST} but its metadata is gone; "
+                                      "restore the store from a copy, or read another checkpoint (--index)")
+    recorded = entry.get("metadata_checksum")
+    if recorded is None:
+        notes.append(f"checkpoint {index}: its manifest entry records no metadata_checksum (written by an older Ravex), "
+                     f"so {CHECKPOINT} was read without checking it")
+    elif (computed := metadata_checksum(raw)) != recorded:
+        raise CorruptCheckpointError(
+            f"{path}: checkpoint {index}: the file does not match the checksum its manifest entry records "
+            f"(recorded {recorded}, computed {computed}); it was damaged or edited after it was written",
+            hint="restore the store from a copy, or read another checkpoint (--index)",
+            path=path,
+        )
+    return doc, ckpt_dir
+
+
+def _check(store: Path, ckpt_dir: Path, doc: dict[str, Any], entry: dict[str, Any] | None, copied_out: bool) -> Checked:
+    path = ckpt_dir / CHECKPOINT
+    index = entry["index"] if entry is not None else (int(ckpt_dir.name) if _NUMBERED.fullmatch(ckpt_dir.name) else None)
+
+    def locate(rel: str, file_index: int) -> Path:
+        if not copied_out:
+            return inside(store, rel, "chunk file", path)
+        own = doc["index"]
+        if file_index != own:
+            raise IncompleteCheckpointError(
+                f"{path}: chunk file '{rel}' lives in checkpoint {file_index} of the store this was copied from",
+                hint="open the whole store, or convert the checkpoint into a self-contained one",
+                path=path,
+            )
+        return inside(ckpt_dir, rel.split("/", 2)[2], "chunk file", path)
+
+    checked = check_checkpoint(doc, path, index=index, run_id=entry.get("run_id") if entry is not None else None, locate=locate)
+    sizes: dict[Path, int] = {}
+    for rel, p in checked.files.items():
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            st = None
+        except OSError as exc:
+            raise from_os_error(exc, path=p) from None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise IncompleteCheckpointError(f"{path}: chunk file '{rel}' is missing", hint="copy the whole store directory; checkpoints can share data files",
+                                            path=p)
+        sizes[p] = st.st_size
+    # Section 17.6, before reading: every chunk lies inside its file (a truncated file shows here, without reading it).
+    for name, t in checked.tensors.items():
+        for k, c in enumerate(t.chunks):
+            assert c.file is not None and c.stored_nbytes is not None  # check_checkpoint sets both
+            if c.offset + c.stored_nbytes > sizes[c.file]:
+                raise CorruptCheckpointError(
+                    f"{path}: tensor '{name}', chunk {k}: it ends at byte {c.offset + c.stored_nbytes} of {c.file}, "
+                    f"but the file has {sizes[c.file]} bytes (truncated?)",
+                    hint="the data file is damaged; restore the store from a copy, or read another checkpoint (--index)", path=c.file)
+    return checked
+
+
+def _open_entry(store: Path, manifest: dict[str, Any], entry: dict[str, Any], variant: str) -> _Opened:
+    notes: list[str] = []
+    doc, ckpt_dir = _load_entry(store, entry, notes)
+    checked = _check(store, ckpt_dir, doc, entry, copied_out=False)
+    return _Opened(store, ckpt_dir, variant, manifest, entry, doc, checked, notes)
+
+
+def _open_store(store: Path, index: int) -> _Opened:
+    """Section 6: the entry ``index`` names (negative: counted from the newest complete one).
+
+    Ravex never substitutes another checkpoint: when the one asked for (or, for
+    ``-n``, any newer complete one) cannot be read, that is the error, with the
+    index to pass to read the one before it."""
     manifest = read_manifest(store)
-    complete = [e for e in manifest["checkpoints"] if e.get("status") == "complete" and (store / str(e.get("dir", "")) / CHECKPOINT).is_file()]
+    entries = manifest["checkpoints"]
+    complete = [e for e in entries if e["status"] == "complete"]
+    others = [f"checkpoint {e['index']} has status {e['status']!r} and is never loaded" for e in entries if e["status"] != "complete"]
     if not complete:
         raise IncompleteCheckpointError(
             f"{store}: the store holds no complete checkpoint",
             hint="a run that was killed before its first checkpoint committed leaves an empty store; start the run again",
             path=store,
         )
-    if index < 0:
-        if -index > len(complete):
-            raise RavexError(f"{store}: index {index} asked for, but the store holds {len(complete)} complete checkpoint(s)", hint="use -1 for the newest", path=store)
-        entry = complete[index]
+    if index >= 0:
+        found = [e for e in entries if e["index"] == index]
+        if not found or found[0]["status"] != "complete":
+            have = ", ".join(str(e["index"]) for e in complete)
+            why = "no" if not found else f"status {found[0]['status']!r}, not a"
+            raise RavexError(f"{store}: {why} complete checkpoint with index {index} (complete ones: {have})",
+                             hint="run `ravex inspect` on the store to list them", path=store)
+        opened = _open_entry(store, manifest, found[0], "store")
     else:
-        found = [e for e in complete if e.get("index") == index]
-        if not found:
-            have = ", ".join(str(e.get("index")) for e in complete)
-            raise RavexError(f"{store}: no complete checkpoint with index {index} (complete ones: {have})", hint="run `ravex status` on the store to list them", path=store)
-        entry = found[0]
-    return entry, store / str(entry["dir"])
+        if -index > len(complete):
+            raise RavexError(f"{store}: index {index} asked for, but the store holds {len(complete)} complete checkpoint(s)",
+                             hint="use -1 for the newest", path=store)
+        at = len(complete) + index
+        for k in range(len(complete) - 1, at - 1, -1):  # every newer complete one, then the one asked for
+            try:
+                opened = _open_entry(store, manifest, complete[k], "store")
+            except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+                raise _no_fallback(store, complete, k, exc) from None
+    opened.notes[:0] = others
+    return opened
+
+
+def _no_fallback(store: Path, complete: list[dict[str, Any]], k: int, exc: RavexError) -> RavexError:
+    """The error for a complete entry that cannot be read while choosing by a
+    negative index: where an older checkpoint exists, the message says that
+    Ravex did not fall back to it and the hint gives the index to pass."""
+    if k == 0:
+        return exc
+    e, before = complete[k], complete[k - 1]["index"]
+    which = "newest" if k == len(complete) - 1 else "a newer"
+    hint = (f"{exc.hint.rstrip('.')}; " if exc.hint else "") + \
+        f"to read the checkpoint before it instead, pass --index {before} (Ravex does not fall back to an older checkpoint by itself)"
+    return type(exc)(f"{store}: checkpoint {e['index']}, the {which} one listed in {MANIFEST}, cannot be read: {exc.message}",
+                     hint=hint, path=exc.path)
+
+
+def _open(path: Path, index: int = -1) -> _Opened:
+    p = path.parent if path.is_file() else path
+    if (p / STORE_MARKER).is_file():
+        return _open_store(p, index)
+    store = p.parent.parent
+    if p.parent.name == "checkpoints" and (store / STORE_MARKER).is_file():
+        manifest = read_manifest(store)
+        listed = [e for e in manifest["checkpoints"] if e["dir"] == f"checkpoints/{p.name}"]
+        if not listed:
+            raise IncompleteCheckpointError(
+                f"{p}: not listed in {store / MANIFEST}, so it is not a committed checkpoint",
+                hint="open the store directory to get the newest complete checkpoint",
+                path=p,
+            )
+        return _open_entry(store, manifest, listed[0], "checkpoint")
+    # A checkpoint copied out of its store: its own files sit beside checkpoint.json.
+    doc = _load_json(inside(p, CHECKPOINT, "checkpoint metadata", p), "ravex-checkpoint")
+    checked = _check(store, p, doc, None, copied_out=True)
+    return _Opened(store, p, "checkpoint", None, None, doc, checked)
+
+
+def resolve(store: Path, index: int = -1) -> tuple[dict[str, Any], Path]:
+    """The manifest entry and directory of checkpoint ``index`` (negative: from the newest complete one)."""
+    opened = _open_store(store, index)
+    return cast(dict[str, Any], opened.entry), opened.ckpt_dir
+
+
+# ---------------------------------------------------------------- describe and read
 
 
 def _kind(name: str) -> str:
@@ -112,122 +263,66 @@ def _display(name: str) -> str:
 
 
 def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
-    if path.is_file():
-        path = path.parent
-    if (path / STORE_MARKER).is_file():
-        store = path
-        manifest = read_manifest(store)
-        entry, ckpt_dir = resolve(store, index)
-        variant = "store"
-    else:
-        ckpt_dir, manifest, entry = path, None, None
-        variant = "checkpoint"
-        store = path.parent.parent
-        if path.parent.name == "checkpoints" and (store / STORE_MARKER).is_file():
-            listed = [e for e in read_manifest(store)["checkpoints"] if e.get("dir") == f"checkpoints/{path.name}"]
-            if not listed:
-                raise IncompleteCheckpointError(
-                    f"{path}: not listed in {store / MANIFEST}, so it is not a committed checkpoint",
-                    hint="open the store directory to get the newest complete checkpoint",
-                    path=path,
-                )
-    doc = _load_json(ckpt_dir / CHECKPOINT, "ravex-checkpoint")
-    tensors = doc.get("tensors")
-    if not isinstance(tensors, dict):
-        raise CorruptCheckpointError(f"{ckpt_dir / CHECKPOINT}: has no 'tensors' object", path=ckpt_dir / CHECKPOINT)
-    info = CheckpointInfo("native", variant, str(path), world_size=doc.get("world_size"), step=doc.get("step"), reasons=reasons)
-    files: dict[str, int] = {}
+    o = _open(path, index)
+    info = CheckpointInfo("native", o.variant, str(path.parent if path.is_file() else path), world_size=o.doc["world_size"],
+                          step=o.doc.get("step"), reasons=reasons)
+    info.notes.extend(o.notes)
     state_names: list[str] = []
-    for name, t in tensors.items():
+    for name, t in o.checked.tensors.items():
         kind = _kind(name)
-        display = _display(name)
-        info.tensors.append(TensorInfo(display, tuple(t.get("shape", ())), str(t.get("dtype")), kind))
+        info.tensors.append(TensorInfo(_display(name), t.shape, t.dtype, kind))
         if kind == "optim":
             sname = name.split("/")[1]
             if sname not in state_names:
                 state_names.append(sname)
-        for c in t.get("chunks", []):
-            files.setdefault(str(c.get("file")), 0)
-    own = f"checkpoints/{doc.get('index', -1):08d}/" if isinstance(doc.get("index"), int) else f"checkpoints/{ckpt_dir.name}/"
-    for rel in sorted(files):
-        p = store / rel
-        if variant == "checkpoint" and not (store / STORE_MARKER).is_file():
-            # A checkpoint copied out of its store: its own files sit beside it.
-            if not rel.startswith(own):
-                raise IncompleteCheckpointError(
-                    f"{ckpt_dir / CHECKPOINT}: chunk file '{rel}' lives in another checkpoint of the store this was copied from",
-                    hint="open the whole store, or convert the checkpoint into a self-contained one",
-                    path=ckpt_dir,
-                )
-            p = ckpt_dir / rel[len(own):]
-        if not p.is_file():
-            raise IncompleteCheckpointError(f"{ckpt_dir / CHECKPOINT}: chunk file '{rel}' is missing", hint="copy the whole store directory; checkpoints can share data files", path=p)
-        info.files.append(FileInfo(rel, p.stat().st_size, "data"))
-    info.files.insert(0, FileInfo(str((ckpt_dir / CHECKPOINT).relative_to(store)) if variant == "store" else CHECKPOINT, (ckpt_dir / CHECKPOINT).stat().st_size, "metadata"))
-    info.aliases = {_display(k): _display(str(v)) for k, v in (doc.get("aliases") or {}).items()}
+    try:
+        for rel in sorted(o.checked.files):
+            info.files.append(FileInfo(rel, o.checked.files[rel].stat().st_size, "data"))
+        shown = str(o.json_path.relative_to(o.store)) if o.variant == "store" else CHECKPOINT
+        info.files.insert(0, FileInfo(shown, o.json_path.stat().st_size, "metadata"))
+    except OSError as exc:
+        raise from_os_error(exc) from None
+    info.aliases = {_display(k): _display(v) for k, v in o.checked.aliases.items()}
     if state_names:
-        groups = (doc.get("objects") or {}).get("optim.param_groups")
-        info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(state_names) else "unknown", state_names, len(groups) if isinstance(groups, list) else None)
-    if manifest is not None and entry is not None:
-        info.extra["index"] = entry.get("index")
+        groups = o.checked.objects.get("optim.param_groups")
+        info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(state_names) else "unknown", state_names,
+                                       len(groups) if isinstance(groups, list) else None)
+    if o.manifest is not None and o.entry is not None and o.variant == "store":
+        info.extra["index"] = o.entry["index"]
         info.extra["checkpoints"] = [
-            {k: e.get(k) for k in ("index", "step", "status", "created_unix", "bytes")} for e in manifest["checkpoints"]
+            {k: e.get(k) for k in ("index", "step", "status", "created_unix", "bytes")} for e in o.manifest["checkpoints"]
         ]
     return info
 
 
-def _region(raw: Any, where: str) -> Region:
-    if isinstance(raw, dict) and set(raw) == {"box"}:
-        b = raw["box"]
-        return Box(tuple(int(o) for o in b["offsets"]), tuple(int(s) for s in b["sizes"]))
-    if isinstance(raw, dict) and set(raw) == {"flat"}:
-        f = raw["flat"]
-        return Flat(int(f["start"]), int(f["length"]))
-    raise CorruptCheckpointError(f"{where}: a chunk's region is neither a box nor a flat range", path=where)
-
-
 def read(path: Path, index: int = -1) -> Checkpoint:
-    """Describe one checkpoint of a store (``index``; -1 = newest complete)."""
-    info = describe(path, [], index=index)  # validates the manifest and that every chunk file exists
+    """One checkpoint of a store (``index``; -1 = newest complete), every check of
+    docs/format.md section 17 that needs no data bytes done; :func:`verify_chunks`
+    checks the bytes."""
+    o = _open(path, index)
     p = path.parent if path.is_file() else path
-    if (p / STORE_MARKER).is_file():
-        store = p
-        _, ckpt_dir = resolve(store, index)
-    else:
-        ckpt_dir, store = p, p.parent.parent
-    doc = _load_json(ckpt_dir / CHECKPOINT, "ravex-checkpoint")
-    where = str(ckpt_dir / CHECKPOINT)
-    own = f"checkpoints/{doc['index']:08d}/" if isinstance(doc.get("index"), int) else None
-    copied_out = not (store / STORE_MARKER).is_file()
-    ckpt = Checkpoint("native", p, world_size=int(doc.get("world_size") or 1), step=doc.get("step"))
-    ckpt.source = dict(doc.get("source") or {})
-    ckpt.source["index"] = doc.get("index")
+    where = str(o.json_path)
+    ckpt = Checkpoint("native", p, world_size=o.doc["world_size"], step=o.doc.get("step"))
+    ckpt.source = dict(o.doc["source"])
+    ckpt.source["index"] = o.doc["index"]
+    for t in o.checked.tensors.values():
+        ckpt.add(t)
+    ckpt.aliases = dict(o.checked.aliases)
     try:
-        for name, entry in doc["tensors"].items():
-            t = ckpt.add(LogicalTensor(name, tuple(int(s) for s in entry["shape"]), str(entry["dtype"])))
-            for c in entry["chunks"]:
-                rel = str(c["file"])
-                file = ckpt_dir / rel[len(own):] if copied_out and own and rel.startswith(own) else store / rel
-                compression = c.get("compression")
-                if compression not in (None, "zstd"):
-                    raise RavexError(f"{where}: chunk of '{name}' uses compression {compression!r}, unknown to this Ravex", hint="upgrade Ravex", path=where)
-                t.chunks.append(Chunk(_region(c["region"], where), t.dtype, file, int(c["offset"]), compression=compression,
-                                      stored_nbytes=int(c["stored_nbytes"]), checksum=str(c["checksum"])))
-        ckpt.aliases = {str(k): str(v) for k, v in (doc.get("aliases") or {}).items()}
-        ckpt.objects = {k: decode(v, f"{where}: objects.{k}") for k, v in (doc.get("objects") or {}).items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{where}: malformed checkpoint metadata ({type(exc).__name__}: {exc})", path=where) from None
-    ckpt.notes.extend(info.notes)
+        ckpt.objects = {k: decode(v, f"{where}: objects.{k}") for k, v in o.checked.objects.items()}
+    except RavexError as exc:
+        raise type(exc)(exc.message, hint=exc.hint or _META_HINT, path=where) from None
+    ckpt.notes.extend(o.notes)
     return ckpt
-
-
-_CHECKSUM = re.compile(r"xxh3-64:[0-9a-f]{16}")
 
 
 def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
     """Check the xxh3-64 checksum of every chunk of ``names`` (default: every
     tensor; aliases follow their target) over all its uncompressed bytes
     (docs/format.md sections 12 and 17.6). ``ckpt`` comes from :func:`read`.
+
+    Compressed chunks are decoded in bounded pieces and hashed on the way, so
+    memory does not grow with what a frame declares.
 
     Raises :class:`CorruptCheckpointError` naming the tensor, the chunk's
     position, the file, the checkpoint index and the store on the first
@@ -251,7 +346,7 @@ def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
     for name in dict.fromkeys(wanted):
         t = ckpt.tensors[name]
         for k, c in enumerate(t.chunks):
-            if c.checksum is None or not _CHECKSUM.fullmatch(c.checksum):
+            if c.checksum is None or not re.fullmatch(r"xxh3-64:[0-9a-f]{16}", c.checksum):
                 raise bad(name, k, c, f"its checksum {c.checksum!r} is not 'xxh3-64:' and 16 lowercase hex digits")
             if c.file is None:
                 raise bad(name, k, c, "the chunk names no file")
@@ -269,6 +364,8 @@ def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
                 hint="load the newest checkpoint again" if pruned else "copy the whole store directory; checkpoints share data files",
                 path=file,
             ) from None
+        except OSError as exc:
+            raise from_os_error(exc, path=file) from None
         plain: list[tuple[str, int, Chunk]] = []
         for name, k, c in chunks:
             stored = c.stored_nbytes if c.stored_nbytes is not None else c.nbytes
@@ -280,13 +377,18 @@ def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
                 plain.append((name, k, c))
                 continue
             try:
-                data = _core.decompress_frame(str(file), c.offset, stored, c.nbytes)
+                h = _core.decompress_frame_to(str(file), c.offset, stored, c.nbytes)
             except ValueError as exc:
-                raise bad(name, k, c, f"its zstd frame does not decode to {c.nbytes} bytes ({exc})") from None
-            if f"xxh3-64:{_core.xxh3_64(data):016x}" != c.checksum:
-                raise bad(name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{_core.xxh3_64(data):016x})")
+                raise bad(name, k, c, f"its zstd frame does not decode to {c.nbytes} bytes ({str(exc).split(chr(10))[0]})") from None
+            except OSError as exc:
+                raise from_os_error(exc, path=file) from None
+            if f"xxh3-64:{h:016x}" != c.checksum:
+                raise bad(name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{h:016x})")
             count += 1
-        sums = _core.checksum_ranges(str(file), [(c.offset, c.nbytes) for _, _, c in plain], "xxh3-64") if plain else []
+        try:
+            sums = _core.checksum_ranges(str(file), [(c.offset, c.nbytes) for _, _, c in plain], "xxh3-64") if plain else []
+        except OSError as exc:
+            raise from_os_error(exc, path=file) from None
         for (name, k, c), h in zip(plain, sums):
             if f"xxh3-64:{h:016x}" != c.checksum:
                 raise bad(name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{h:016x})")

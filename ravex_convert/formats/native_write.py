@@ -26,6 +26,7 @@ import platform
 import re
 import shutil
 import socket
+import stat
 import struct
 import time
 import uuid
@@ -38,9 +39,11 @@ from .. import _core
 from .._engine import CopyJob, Target, flat_range
 from .._output import Options, fsync_dir, fsync_fd, out_dtype
 from .._tagged import encode
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError, UnsafeCheckpointError
 from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, itemsize, numel
-from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, _load_json, read_manifest
+from . import native
+from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
+from .native_check import check_manifest, metadata_checksum
 
 __all__ = ["SAFETENSORS_CODES", "prune", "write"]
 
@@ -57,6 +60,8 @@ _ANY_INDEX = re.compile(r"(\d{8})(?:\.tmp-.*)?")
 _CHECKSUM = re.compile(r"xxh3-64:[0-9a-f]{16}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _IO_HINT = "check free space and permissions at the store"
+_LINK_HINT = ("a store's own files and directories are never links; replace the link by what it points to, or write to another "
+              "store. If others can write to this directory, check what else they changed")
 
 
 # ---------------------------------------------------------------- the lock
@@ -64,10 +69,20 @@ _IO_HINT = "check free space and permissions at the store"
 
 @contextlib.contextmanager
 def _locked(store: Path, run_id: str) -> Iterator[None]:
-    """Hold ``<store>/lock`` (exclusive, non-blocking flock) for the block."""
+    """Hold ``<store>/lock`` (exclusive, non-blocking flock) for the block.
+    The lock is opened without following a symbolic link (O_NOFOLLOW) and must
+    be a regular file: its contents are truncated and rewritten."""
     path = store / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _unsafe(path) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeCheckpointError(f"{path}: is not a regular file, so it cannot be the store's lock",
+                                        hint=_LINK_HINT, path=path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -98,14 +113,47 @@ def _holder(fd: int) -> str:
 # ---------------------------------------------------------------- small files
 
 
-def _write_json(path: Path, doc: dict[str, Any], tmp: Path, indent: int | None = None) -> None:
-    """``tmp`` written and fsynced, then renamed to ``path`` (the caller fsyncs the directory)."""
+def _write_json(path: Path, doc: dict[str, Any], tmp: Path, indent: int | None = None) -> bytes:
+    """``tmp`` written and fsynced, then renamed to ``path`` (the caller fsyncs
+    the directory); returns the bytes written. ``tmp`` is never opened through a
+    symbolic link, and the rename replaces ``path`` itself, never what a link there names."""
     data = (json.dumps(doc, indent=indent, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
-    with open(tmp, "wb") as f:
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _unsafe(tmp) from None
+        raise
+    with open(fd, "wb") as f:
         f.write(data)
         f.flush()
         fsync_fd(f.fileno())
     os.replace(tmp, path)
+    return data
+
+
+def _unsafe(path: Path) -> UnsafeCheckpointError:
+    try:
+        to = f" (to {os.readlink(path)})"
+    except OSError:
+        to = ""
+    return UnsafeCheckpointError(
+        f"{path}: is a symbolic link{to}; Ravex does not follow links inside a store, so that nothing outside it is written or deleted",
+        hint=_LINK_HINT, path=path)
+
+
+def _refuse_links(store: Path) -> None:
+    """A store whose own entries (lock, manifest, marker, checkpoints/ and the
+    checkpoint directories in it) are symbolic links is refused: writing,
+    cleaning up or sweeping through one would change files outside the store."""
+    for name in (LOCK, MANIFEST, STORE_MARKER, CHECKPOINTS):
+        if (store / name).is_symlink():
+            raise _unsafe(store / name)
+    root = store / CHECKPOINTS
+    if root.is_dir():
+        for p in root.iterdir():
+            if _ANY_INDEX.fullmatch(p.name) and p.is_symlink():
+                raise _unsafe(p)
 
 
 def _write_manifest(store: Path, manifest: dict[str, Any], run_id: str) -> None:
@@ -114,19 +162,43 @@ def _write_manifest(store: Path, manifest: dict[str, Any], run_id: str) -> None:
     fsync_dir(store)
 
 
+def _empty_manifest(p: Path) -> bool:
+    """A manifest that lists nothing, as an interrupted creation writes it."""
+    try:
+        doc = json.loads(p.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("checkpoints") == [] and doc.get("next_index") == 0
+
+
 def _creation_leftover(p: Path) -> bool:
     """What an interrupted creation (section 2) may have left: never a store, safe to finish."""
+    if p.is_symlink():
+        return False
     if p.name == CHECKPOINTS:
         return p.is_dir() and not any(p.iterdir())
-    if p.name in (LOCK, MANIFEST):
+    if p.name == LOCK:
         return p.is_file()
+    if p.name == MANIFEST:
+        return p.is_file() and _empty_manifest(p)
     return p.name.startswith((f"{MANIFEST}.tmp-", f"{STORE_MARKER}.tmp-")) and p.is_file()
 
 
 def _prepare_dir(store: Path) -> None:
     if store.exists() and not store.is_dir():
         raise RavexError(f"{store}: exists and is not a directory, so it cannot be a Ravex store", hint="choose another destination", path=store)
+    if store.is_dir():
+        _refuse_links(store)
     if store.is_dir() and not (store / STORE_MARKER).exists():
+        held = [n for n in (MANIFEST, CHECKPOINTS) if (store / n).exists() and not _creation_leftover(store / n)]
+        if held:
+            # A store that lost its marker is still a store: starting a fresh one here would discard its checkpoints.
+            raise IncompleteCheckpointError(
+                f"{store}: has {' and '.join(held)} but no {STORE_MARKER}: a Ravex store that lost its marker file "
+                "(or a damaged one); Ravex will not start a new store over its checkpoints",
+                hint=f"restore {STORE_MARKER} from a copy of the store (then the store can be written again), or write to another directory",
+                path=store,
+            )
         other = sorted(p.name for p in store.iterdir() if not _creation_leftover(p))
         if other:
             shown = ", ".join(other[:5]) + (", ..." if len(other) > 5 else "")
@@ -137,6 +209,7 @@ def _prepare_dir(store: Path) -> None:
             )
     store.mkdir(parents=True, exist_ok=True)
     (store / CHECKPOINTS).mkdir(exist_ok=True)
+    _refuse_links(store)
 
 
 def _create(store: Path, run_id: str) -> None:
@@ -166,53 +239,25 @@ class _Entry:
 
 
 def _entries(store: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    where = store / MANIFEST
-
-    def corrupt(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: {why}", hint="the manifest is damaged; restore it from a copy of the store", path=where)
-
-    nxt = manifest.get("next_index")
-    if not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0:
-        raise corrupt(f"next_index is {nxt!r}, not a non-negative integer")
-    last = -1
-    for e in manifest["checkpoints"]:
-        i = e.get("index") if isinstance(e, dict) else None
-        if not isinstance(i, int) or isinstance(i, bool) or not last < i < nxt:
-            raise corrupt(f"entry {e!r} has no valid index (increasing, below next_index {nxt})")
-        if e.get("dir") != f"{CHECKPOINTS}/{i:08d}":
-            raise corrupt(f"entry {i} has dir {e.get('dir')!r}, expected '{CHECKPOINTS}/{i:08d}'")
-        last = i
-    return list(manifest["checkpoints"])
+    return check_manifest(manifest, store / MANIFEST)
 
 
-def _load_entry(store: Path, entry: dict[str, Any]) -> _Entry:
-    """An entry and its checkpoint.json; ``problem`` says why it is not loadable.
-    A checkpoint.json of a newer format version raises: its references are unknown."""
+def _load_entry(store: Path, manifest: dict[str, Any], entry: dict[str, Any]) -> _Entry:
+    """An entry and its checkpoint.json, checked as a reader checks it (its
+    metadata checksum, section 17, chunk files inside the store and present);
+    ``problem`` says why it is not loadable. A checkpoint.json of a newer
+    format version raises: its references are unknown."""
     out = _Entry(entry)
     if entry.get("status") != "complete":
         out.problem = f"its status is {entry.get('status')!r}"
         return out
-    path = store / str(entry["dir"]) / CHECKPOINT
     try:
-        doc = _load_json(path, "ravex-checkpoint")
-    except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
+        opened = native._open_entry(store, manifest, entry, "store")
+    except (CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError) as exc:
         out.problem = exc.message
         return out
-    if doc.get("index") != entry["index"] or doc.get("run_id") != entry.get("run_id"):
-        out.problem = f"{path} does not match its manifest entry (index {doc.get('index')!r}, run_id {doc.get('run_id')!r})"
-        return out
-    refs = {f"{entry['dir']}/{CHECKPOINT}"}
-    tensors = doc.get("tensors")
-    if not isinstance(tensors, dict) or not all(isinstance(t, dict) and isinstance(t.get("chunks"), list) for t in tensors.values()):
-        out.problem = f"{path} has a malformed 'tensors' object"
-        return out
-    for t in tensors.values():
-        for c in t["chunks"]:
-            if not isinstance(c, dict) or not isinstance(c.get("file"), str):
-                out.problem = f"{path} has a chunk without a 'file'"
-                return out
-            refs.add(c["file"])
-    out.doc, out.refs = doc, frozenset(refs)
+    out.doc = opened.doc
+    out.refs = frozenset({f"{entry['dir']}/{CHECKPOINT}", *opened.checked.files})
     return out
 
 
@@ -221,15 +266,21 @@ def _highest_dir_index(store: Path) -> int:
     return max(found, default=-1)
 
 
+def _remove(p: Path) -> None:
+    """Delete ``p``: a directory with all it holds, anything else (a symbolic link
+    included) as an entry. Never through a link: ``rmtree`` does not follow them."""
+    if stat.S_ISDIR(os.lstat(p).st_mode):
+        shutil.rmtree(p)
+    else:
+        p.unlink()
+
+
 def _cleanup(store: Path) -> None:
     """Section 4: under the lock, whatever a crashed writer left is garbage."""
     for p in (store / CHECKPOINTS).glob("*.tmp-*"):
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
+        _remove(p)
     for p in store.glob(f"{MANIFEST}.tmp-*"):
-        p.unlink()
+        _remove(p)
 
 
 def _sweep(store: Path, entries: list[_Entry]) -> list[str]:
@@ -254,14 +305,10 @@ def _sweep(store: Path, entries: list[_Entry]) -> list[str]:
             continue
         # Retained for data: checkpoint.json goes first, so a half-swept directory never looks like a checkpoint.
         with contextlib.suppress(FileNotFoundError):
-            (d / CHECKPOINT).unlink()
+            _remove(d / CHECKPOINT)
         for p in d.iterdir():
-            if p.name in kept:
-                continue
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
+            if p.name not in kept:
+                _remove(p)
         fsync_dir(d)
     fsync_dir(root)
     return warnings
@@ -270,11 +317,12 @@ def _sweep(store: Path, entries: list[_Entry]) -> list[str]:
 def _open(store: Path, run_id: str) -> tuple[dict[str, Any], list[_Entry], int, list[str]]:
     """Under the lock: the manifest, its entries, the highest index any directory
     name holds, and the sweep's warnings (after the crash cleanup)."""
+    _refuse_links(store)
     manifest = read_manifest(store)
     raw = _entries(store, manifest)
     highest = _highest_dir_index(store)
     _cleanup(store)
-    entries = [_load_entry(store, e) for e in raw]
+    entries = [_load_entry(store, manifest, e) for e in raw]
     return manifest, entries, highest, _sweep(store, entries)
 
 
@@ -621,13 +669,13 @@ def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: lis
             "created_unix": now, "world_size": opts.world_size, "source": source, "tensors": tensors,
             "aliases": dict(ckpt.aliases), "objects": objects,
         }
-        _write_json(tmp / CHECKPOINT, doc, tmp / f"{CHECKPOINT}.tmp")
+        meta = _write_json(tmp / CHECKPOINT, doc, tmp / f"{CHECKPOINT}.tmp")
         fsync_dir(tmp)
         os.rename(tmp, final)
         fsync_dir(store / CHECKPOINTS)
         logical = sum(numel(tuple(t["shape"])) * itemsize(t["dtype"]) for t in tensors.values())
         entry = {"index": index, "dir": rel_dir, "step": step, "status": "complete", "created_unix": now, "run_id": run_id,
-                 "world_size": opts.world_size, "bytes": logical, "tensors": len(tensors)}
+                 "world_size": opts.world_size, "bytes": logical, "tensors": len(tensors), "metadata_checksum": metadata_checksum(meta)}
         _write_manifest(store, {**manifest, "next_index": index + 1, "checkpoints": [*manifest["checkpoints"], entry]}, run_id)
     except BaseException:
         if not _listed(store, index):
@@ -652,6 +700,7 @@ def prune(store: Path, keep_last: int, *, pinned: set[int] | frozenset[int] = fr
         raise RavexError(f"keep_last {keep_last!r}: keep at least one checkpoint", hint="use keep_last >= 1")
     if not (store / STORE_MARKER).is_file():
         raise NotFoundError(f"{store}: not a Ravex store (no {STORE_MARKER})", hint="point at the store directory", path=store)
+    _refuse_links(store)
     run_id = uuid.uuid4().hex[:12]
     try:
         with _locked(store, run_id):

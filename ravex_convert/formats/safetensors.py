@@ -2,8 +2,13 @@
 
 The header is parsed here rather than through the ``safetensors`` package
 because the engine needs each tensor's absolute byte offset, which the
-package does not expose; the parsing is a length, a JSON object and bounds
-checks.
+package does not expose; the parsing is a length, a JSON object and the
+checks the format's specification asks of a reader (as the reference library
+makes them): a header of at most 100 MB inside the file, known dtypes, each
+entry's byte length equal to its shape times its element size, and the byte
+buffer indexed entirely, without holes or overlaps. The last one also bounds
+what a conversion writes: every output byte comes from one source byte (dtype
+casts aside), so a crafted file cannot make entries share bytes and multiply them.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from typing import Any
 
 from .._engine import CopyJob, Target
 from .._output import Options, out_dtype, staged
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError
+from .._paths import inside
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
-from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize
+from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize, numel
 
 __all__ = ["DTYPES", "INDEX_NAME", "describe", "read_header", "sniff"]
 
@@ -27,7 +33,9 @@ DTYPES = {
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }
-_MAX_HEADER = 100 * 1024 * 1024
+_MAX_HEADER = 100 * 1024 * 1024  # the reference library's limit (safetensors' MAX_HEADER_SIZE)
+_MAX_INDEX = 100 * 1024 * 1024
+_AGAIN = "the file is truncated, damaged or was not written by a safetensors writer; copy it again from where it was saved"
 
 
 def _looks_like_safetensors(path: Path) -> bool:
@@ -42,37 +50,71 @@ def _looks_like_safetensors(path: Path) -> bool:
     return 2 <= n <= _MAX_HEADER and head[8:9] == b"{"
 
 
+def _bad(path: Path, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: not a valid safetensors file: {why}", hint=_AGAIN, path=path)
+
+
+def _shape(path: Path, name: str, v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v):
+        raise _bad(path, f"tensor '{name}' has shape {v!r}, not a list of non-negative integers")
+    return tuple(v)
+
+
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The parsed header and the absolute offset where tensor data begins."""
-    bad = CorruptCheckpointError(
-        f"{path}: not a valid safetensors file (header unreadable, or data shorter than the header says)",
-        hint="the file is truncated or damaged; copy it again",
-        path=path,
-    )
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise bad
-        (n,) = struct.unpack("<Q", head)
-        if n > min(_MAX_HEADER, size - 8):
-            raise bad
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise bad from None
+    """The parsed, checked header and the absolute offset where tensor data begins."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _bad(path, f"the file is {size} bytes, shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER:
+                raise _bad(path, f"the header length says {n} bytes, more than the {_MAX_HEADER} bytes safetensors allows")
+            if n > size - 8:
+                raise _bad(path, f"the header length says {n} bytes, but the file has only {size - 8} after it")
+            raw = f.read(n)
+    except OSError as exc:
+        raise from_os_error(exc, path=path) from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _bad(path, f"the header is not JSON ({type(exc).__name__})") from None
     if not isinstance(header, dict):
-        raise bad
+        raise _bad(path, f"the header is a JSON {type(header).__name__}, not an object")
     start = 8 + n
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise _bad(path, "__metadata__ is not an object of strings")
             continue
-        try:
-            begin, end = entry["data_offsets"]
-            if entry["dtype"] not in DTYPES or not 0 <= begin <= end or start + end > size:
-                raise bad
-        except (KeyError, TypeError, ValueError):
-            raise bad from None
+        if not isinstance(entry, dict):
+            raise _bad(path, f"the entry of tensor '{name}' is a JSON {type(entry).__name__}, not an object")
+        dtype = entry.get("dtype")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise _bad(path, f"tensor '{name}' has dtype {dtype!r}, which Ravex does not know (known: {', '.join(DTYPES)})")
+        shape = _shape(path, name, entry.get("shape"))
+        offs = entry.get("data_offsets")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            raise _bad(path, f"tensor '{name}' has data_offsets {offs!r}, not [begin, end] with 0 <= begin <= end")
+        begin, end = offs
+        if start + end > size:
+            raise _bad(path, f"tensor '{name}' ends at byte {start + end}, past the end of the {size}-byte file")
+        if end - begin != numel(shape) * itemsize(DTYPES[dtype]):
+            raise _bad(path, f"tensor '{name}' has {end - begin} bytes for shape {list(shape)} {dtype} "
+                             f"({numel(shape) * itemsize(DTYPES[dtype])} expected)")
+        spans.append((begin, end, name))
+    pos = 0
+    for begin, end, name in sorted(spans):
+        if begin < pos:
+            raise _bad(path, f"tensor '{name}' shares bytes {begin}..{min(end, pos)} with another tensor (the format forbids overlaps)")
+        if begin > pos:
+            raise _bad(path, f"bytes {pos}..{begin} of the data belong to no tensor (the format forbids holes)")
+        pos = end
+    if start + pos != size:
+        raise _bad(path, f"the file has {size - start - pos} bytes after the last tensor's data (the format forbids them)")
     return header, start
 
 
@@ -97,6 +139,35 @@ def _tensors_of(path: Path, header: dict[str, Any]) -> list[TensorInfo]:
     ]
 
 
+def _read_index(path: Path) -> tuple[dict[str, str], dict[str, Path]]:
+    """The index's weight_map, and each shard it names, checked to lie inside ``path``."""
+    index_path = path / INDEX_NAME
+    bad = CorruptCheckpointError(
+        f"{index_path}: not a valid safetensors index (needs a JSON object whose 'weight_map' maps tensor names to shard file names)",
+        hint="regenerate the index, or point Ravex at the shard files",
+        path=index_path,
+    )
+    try:
+        if index_path.stat().st_size > _MAX_INDEX:
+            raise CorruptCheckpointError(f"{index_path}: {index_path.stat().st_size} bytes, more than the {_MAX_INDEX} bytes an index may have",
+                                         hint="this is no real index (they are kilobytes); regenerate it", path=index_path)
+        index = json.loads(index_path.read_bytes())
+    except OSError as exc:
+        raise from_os_error(exc, path=index_path) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise bad from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise bad
+    shards = {name: inside(path, name, "shard file", index_path) for name in sorted(set(weight_map.values()))}
+    return weight_map, shards
+
+
+def _listed_files(path: Path) -> list[tuple[str, Path]]:
+    """A directory without an index: its ``*.safetensors`` files (symlinks only to inside it)."""
+    return [(f.name, inside(path, f.name, "safetensors file", path)) for f in sorted(path.glob("*.safetensors"))]
+
+
 def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
     if path.is_file():
         header, _ = read_header(path)
@@ -109,19 +180,8 @@ def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
 
     index_path = path / INDEX_NAME
     if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text())
-            weight_map: dict[str, str] = index["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            raise CorruptCheckpointError(
-                f"{index_path}: not a valid safetensors index (needs a JSON object with a 'weight_map')",
-                hint="regenerate the index, or point Ravex at the shard files",
-                path=index_path,
-            ) from None
-        shard_names = sorted(set(weight_map.values()))
-        missing = [n for n in shard_names if not (path / n).is_file()]
+        weight_map, shards = _read_index(path)
+        missing = [n for n, p in shards.items() if not p.is_file()]
         if missing:
             raise IncompleteCheckpointError(
                 f"{path}: the index names shard '{missing[0]}' but the file is missing"
@@ -131,24 +191,27 @@ def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
             )
         variant = "sharded"
         files = [FileInfo(INDEX_NAME, index_path.stat().st_size, "index")]
+        listed = list(shards.items())
     else:
-        shard_names = [f.name for f in sorted(path.glob("*.safetensors"))]
+        listed = _listed_files(path)
         weight_map = {}
-        variant = "single" if len(shard_names) == 1 else "sharded"
+        variant = "single" if len(listed) == 1 else "sharded"
         files = []
     info = CheckpointInfo("safetensors", variant, str(path), world_size=1, reasons=reasons)
-    seen: set[str] = set()
-    for name in shard_names:
-        header, _ = read_header(path / name)
-        files.append(FileInfo(name, (path / name).stat().st_size, "weights"))
-        for t in _tensors_of(path / name, header):
+    seen: dict[str, str] = {}
+    for name, file in listed:
+        header, _ = read_header(file)
+        files.append(FileInfo(name, file.stat().st_size, "weights"))
+        for t in _tensors_of(file, header):
+            if t.name in seen:
+                raise CorruptCheckpointError(f"{file}: holds tensor '{t.name}', which {seen[t.name]} holds too",
+                                             hint="the shards come from different saves; copy the shards and index from one save", path=file)
             if weight_map and weight_map.get(t.name) != name:
                 info.notes.append(f"{name} holds '{t.name}', which the index places elsewhere")
-            if t.name not in seen:
-                seen.add(t.name)
-                info.tensors.append(t)
+            seen[t.name] = name
+            info.tensors.append(t)
         _aliases_from_metadata(info, header.get("__metadata__"))
-    absent = sorted(set(weight_map) - seen)
+    absent = sorted(set(weight_map) - set(seen))
     if absent:
         raise IncompleteCheckpointError(
             f"{path}: the index lists tensor '{absent[0]}' but no shard holds it ({len(absent)} missing)",
@@ -160,29 +223,41 @@ def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
     return info
 
 
+def _parse_aliases(metadata: Any) -> dict[str, str] | None:
+    """Ravex writes tied names as ``{"ravex.aliases": "{json}"}``; others leave them out.
+    None where the entry is there but unreadable."""
+    if not isinstance(metadata, dict) or "ravex.aliases" not in metadata:
+        return {}
+    try:
+        found = json.loads(metadata["ravex.aliases"])
+    except (json.JSONDecodeError, TypeError, RecursionError):
+        return None
+    if not isinstance(found, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+        return None
+    return found
+
+
 def _aliases_from_metadata(info: CheckpointInfo, metadata: Any) -> None:
-    # Ravex writes tied names as {"ravex.aliases": "{json}"}; others leave them out.
-    if isinstance(metadata, dict) and "ravex.aliases" in metadata:
-        try:
-            info.aliases.update(json.loads(metadata["ravex.aliases"]))
-        except (json.JSONDecodeError, TypeError):
-            info.notes.append("__metadata__ has an unreadable 'ravex.aliases' entry")
+    found = _parse_aliases(metadata)
+    if found is None:
+        info.notes.append("__metadata__ has an unreadable 'ravex.aliases' entry")
+    else:
+        info.aliases.update(found)
 
 
 def _shard_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
-    index_path = path / INDEX_NAME
-    if index_path.is_file():
+    if (path / INDEX_NAME).is_file():
         describe(path, [])  # validates the index and that every shard is present
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        return [path / n for n in sorted(set(weight_map.values()))]
-    return sorted(path.glob("*.safetensors"))
+        return list(_read_index(path)[1].values())
+    return [p for _, p in _listed_files(path)]
 
 
 def read(path: Path) -> Checkpoint:
     """Every tensor as ``model/<name>``, one whole-tensor chunk each, in place."""
     ckpt = Checkpoint("safetensors", path, world_size=1)
+    aliases: dict[str, tuple[str, Path]] = {}
     for file in _shard_files(path):
         header, start = read_header(file)
         for name, e in header.items():
@@ -190,19 +265,23 @@ def read(path: Path) -> Checkpoint:
                 continue
             dtype = DTYPES[e["dtype"]]
             shape = tuple(int(s) for s in e["shape"])
-            begin = int(e["data_offsets"][0])
+            if MODEL + name in ckpt.tensors:
+                raise CorruptCheckpointError(f"{file}: holds tensor '{name}', which another shard holds too",
+                                             hint="the shards come from different saves; copy them again from one save", path=file)
             t = LogicalTensor(MODEL + name, shape, dtype)
-            t.chunks.append(Chunk(Box(tuple(0 for _ in shape), shape), dtype, file, start + begin))
-            if int(e["data_offsets"][1]) - begin != t.nbytes:
-                raise CorruptCheckpointError(f"{file}: tensor '{name}' has {int(e['data_offsets'][1]) - begin} bytes for shape {list(shape)} {dtype}", path=file)
+            t.chunks.append(Chunk(Box(tuple(0 for _ in shape), shape), dtype, file, start + int(e["data_offsets"][0])))
             ckpt.add(t)
-        meta = header.get("__metadata__")
-        if isinstance(meta, dict) and "ravex.aliases" in meta:
-            try:
-                for alias, target in json.loads(meta["ravex.aliases"]).items():
-                    ckpt.aliases[MODEL + alias] = MODEL + target
-            except (json.JSONDecodeError, TypeError, AttributeError):
-                ckpt.notes.append(f"{file.name}: unreadable 'ravex.aliases' metadata ignored")
+        found = _parse_aliases(header.get("__metadata__"))
+        if found is None:
+            ckpt.notes.append(f"{file.name}: unreadable 'ravex.aliases' metadata ignored")
+        for alias, target in (found or {}).items():
+            aliases[alias] = (target, file)
+    for alias, (target, file) in aliases.items():
+        if MODEL + target not in ckpt.tensors or MODEL + alias in ckpt.tensors:
+            ckpt.notes.append(f"{file.name}: tied name '{alias}' -> '{target}' ignored (" +
+                              ("a stored tensor has that name" if MODEL + alias in ckpt.tensors else f"no tensor '{target}'") + ")")
+            continue
+        ckpt.aliases[MODEL + alias] = MODEL + target
     return ckpt
 
 
@@ -246,6 +325,10 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
     or, with ``max_shard_size``, shards and ``model.safetensors.index.json``.
     Tied names are stored once and listed in ``__metadata__["ravex.aliases"]``."""
     tensors = [t for n, t in ckpt.tensors.items() if n.startswith(MODEL)]
+    if not tensors:
+        raise RavexError(f"{ckpt.path}: the checkpoint holds no model weights, so a safetensors file would hold nothing",
+                         hint="run `ravex inspect` on it to see what it holds; safetensors takes model weights only (--to torch_save keeps everything)",
+                         path=ckpt.path)
     for t in tensors:
         if out_dtype(t, opts) not in _CODES:
             raise RavexError(f"tensor '{t.name[len(MODEL):]}' has dtype {t.dtype}, which safetensors cannot hold")

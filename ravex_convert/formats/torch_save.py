@@ -9,6 +9,7 @@ Layouts people actually have (DESIGN.md, "conventions"):
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections import OrderedDict
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import CopyJob, Target, page_residue
+from .._layout import layout_of, optimizer_tree, place
 from .._output import Options, fsync_fd, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
-from .._torchzip import TorchArchive, is_torch_zip, open_archive
+from .._torchzip import TorchArchive, gather_strided, is_torch_zip, open_archive, verify_crcs
 from .._unpickle import TensorRef
 from ..errors import CorruptCheckpointError, LayoutMismatchError, RavexError, UnknownFormatError
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
@@ -112,10 +114,38 @@ def _step(archive: TorchArchive, root: Any, optim: dict[str, Any] | None) -> int
         for per_param in optim["state"].values():
             s = per_param.get("step") if isinstance(per_param, dict) else None
             if isinstance(s, TensorRef) and s.numel == 1:
-                return int(archive.read_scalar(s))
+                s = archive.read_scalar(s)
             if isinstance(s, (int, float)) and not isinstance(s, bool):
-                return int(s)
+                # a damaged step may be NaN or infinite: no step rather than a bare error
+                return int(s) if math.isfinite(s) else None
     return None
+
+
+def _check_optimizer(optim: Any, key: str | None, file: Path) -> None:
+    """The shape of a torch optimizer state dict, before anything walks it:
+    ``state`` a dict of dicts, ``param_groups`` a list of dicts whose ``params``
+    list parameter keys (ints or names)."""
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{file}: the optimizer state ('{key}') {what}; not a torch optimizer state_dict",
+            hint="the file is damaged, or holds something else under that key; copy it again, or convert with --weights-only",
+            path=file,
+        )
+
+    if not isinstance(optim, dict):
+        raise bad("is not a dict")
+    state = optim.get("state")
+    if state is not None and (not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values())):
+        raise bad("has a 'state' that is not a dict of per-parameter dicts")
+    groups = optim.get("param_groups")
+    if groups is None:
+        return
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise bad("has 'param_groups' that are not a list of dicts")
+    for g in groups:
+        params = g.get("params", [])
+        if not isinstance(params, list) or not all(isinstance(p, (int, str)) and not isinstance(p, bool) for p in params):
+            raise bad("has a param group whose 'params' is not a list of parameter ids")
 
 
 def describe(path: Path, reasons: list[str], archive: TorchArchive | None = None) -> CheckpointInfo:
@@ -131,6 +161,8 @@ def describe(path: Path, reasons: list[str], archive: TorchArchive | None = None
             hint="Ravex reads a bare state dict or a dict with one of the keys " + ", ".join(_MODEL_KEYS),
             path=file,
         )
+    if optim is not None:
+        _check_optimizer(optim, optim_key, file)
     variant = "state_dict" if model_key is None else ("training_state" if optim is not None else "model")
     info = CheckpointInfo("torch_save", variant, str(path), world_size=1, reasons=reasons)
     info.files = [FileInfo(file.name, file.stat().st_size, "state")]
@@ -161,27 +193,16 @@ def _tensor_chunk(archive: TorchArchive, ref: TensorRef, name: str) -> LogicalTe
         end = archive.tensor_offset(ref) + ref.nbytes
         storage_end = archive.storage_offsets[ref.storage.key] + archive.storage_sizes[ref.storage.key]
         if end > storage_end:
-            raise CorruptCheckpointError(f"{archive.path}: tensor '{name}' runs past the end of its storage", path=archive.path)
+            raise CorruptCheckpointError(
+                f"{archive.path}: tensor '{name}' runs past the end of its storage", hint="the file is truncated or damaged; copy it again", path=archive.path
+            )
         t.chunks.append(Chunk(whole, ref.dtype, archive.path, archive.tensor_offset(ref)))
     else:
         # A strided view (a transpose saved as is): gather its elements once,
         # here, and carry them inline. Rare, and small in practice.
-        t.chunks.append(Chunk(whole, ref.dtype, data=_gather_strided(archive, ref)))
+        # (open_archive checked the view against its storage.)
+        t.chunks.append(Chunk(whole, ref.dtype, data=gather_strided(archive, ref, f"tensor '{name}'")))
     return t
-
-
-def _gather_strided(archive: TorchArchive, ref: TensorRef) -> bytes:
-    import numpy as np
-
-    size = itemsize(ref.dtype)
-    lanes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
-    start = archive.storage_offsets[ref.storage.key]
-    with open(archive.path, "rb") as f:
-        f.seek(start)
-        raw = f.read(archive.storage_sizes[ref.storage.key])
-    storage = np.frombuffer(raw, dtype=lanes)
-    view = np.lib.stride_tricks.as_strided(storage[ref.storage_offset:], shape=ref.shape, strides=tuple(s * size for s in ref.stride), writeable=False)
-    return bytes(np.ascontiguousarray(view).tobytes())
 
 
 def _embed(cands: list[str], shapes: list[tuple[int, ...] | None], sd: dict[str, TensorRef], used: set[str], reverse: bool) -> list[str] | None:
@@ -250,6 +271,7 @@ def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
     file = path if path.is_file() else _candidates(path)[0]
     archive = open_archive(file)
     info = describe(path, [], archive)  # parsed once, described and read
+    verify_crcs(archive)  # every storage's bytes against the CRC-32 torch.save recorded (RAVEX_NO_CRC=1 skips)
     root = archive.root
     model_key, sd, optim_key, optim = find_model_and_optimizer(root)
     assert sd is not None  # describe() refused a file without one
@@ -342,20 +364,21 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
         outs[alias] = outs[target]
     root: dict[str, Any] = {}
     model = OrderedDict((n[len(MODEL):], outs[n]) for n in list(ckpt.tensors) + list(ckpt.aliases) if n.startswith(MODEL))
-    root["model"] = model
+    nesting = layout_of(ckpt.source)  # a DCP source's nesting ({"app": {"model", "optim"}}) is kept
+    place(root, nesting.model, model)
     optim_state: dict[str, dict[str, Any]] = {}
     for n in ckpt.tensors:
         if n.startswith(OPTIM):
             _, state, fqn = n.split("/", 2)
             optim_state.setdefault(fqn, {})[state] = outs[n]
     if optim_state or "optim.param_groups" in ckpt.objects:
-        root["optim"] = {"state": optim_state, "param_groups": _to_pickle(ckpt.objects.get("optim.param_groups", []), outs)}
+        place(root, nesting.optim, optimizer_tree(nesting, optim_state, _to_pickle(ckpt.objects.get("optim.param_groups", []), outs)))
     for key, value in ckpt.objects.items():
         if key == "optim.param_groups":
             continue
         if key == "extra" and isinstance(value, dict):
             for k, v in value.items():  # a torch.save source's own top-level keys go back to the top
-                root.setdefault(str(k), _to_pickle(v, outs))
+                place(root, (str(k),), _to_pickle(v, outs))
         else:
             root[key] = _to_pickle(value, outs)
     if ckpt.step is not None:

@@ -19,11 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._torchzip import TorchArchive, open_archive
+from .._paths import inside
+from .._torchzip import TorchArchive, check_archive, gather_strided, open_archive, storages_at, verify_crcs
 from .._unpickle import Record, TensorRef
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, LayoutMismatchError, RavexError, UnknownFormatError
+from ..errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    LayoutMismatchError,
+    RavexError,
+    UnknownFormatError,
+    UnsafeCheckpointError,
+)
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
-from ..model import MODEL, OBJ, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, itemsize, numel
+from ..model import MODEL, OBJ, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, numel
 from .zero_layout import Groups, RankFile, corrupt, read_flat_groups, read_stage3, stage3_partition, tensor_chunk
 
 __all__ = ["LATEST", "ZeroLayout", "describe", "locate", "read", "sniff"]
@@ -72,7 +80,7 @@ def locate(path: Path, tag: str | None = None) -> ZeroLayout:
     else:
         root = path
         if tag is None and (path / LATEST).is_file():
-            tag = (path / LATEST).read_text().strip()
+            tag = _read_latest(path)
             reasons.append(f"'{LATEST}' names tag '{tag}'")
             if not tag or not (path / tag).is_dir():
                 raise IncompleteCheckpointError(
@@ -98,11 +106,19 @@ def locate(path: Path, tag: str | None = None) -> ZeroLayout:
     for p in sorted(tag_dir.iterdir()):
         if m := _MODEL_FILE.match(p.name):
             if int(m.group(2)) != 0:
-                raise RavexError(f"{p}: a model-parallel rank {int(m.group(2))} file; tensor/pipeline parallel checkpoints are not supported yet", path=p)
+                raise RavexError(
+                    f"{p}: a model-parallel rank {int(m.group(2))} file; tensor/pipeline parallel checkpoints are not supported yet",
+                    hint="convert it with DeepSpeed's universal checkpoint (ds_to_universal) first",
+                    path=p,
+                )
             layout.model_files[int(m.group(1) or 0)] = p
         elif m := _OPTIM_FILE.match(p.name):
             if int(m.group(3)) != 0:
-                raise RavexError(f"{p}: a model-parallel rank {int(m.group(3))} file; tensor/pipeline parallel checkpoints are not supported yet", path=p)
+                raise RavexError(
+                    f"{p}: a model-parallel rank {int(m.group(3))} file; tensor/pipeline parallel checkpoints are not supported yet",
+                    hint="convert it with DeepSpeed's universal checkpoint (ds_to_universal) first",
+                    path=p,
+                )
             layout.optim_files[int(m.group(2))] = p
             prefixes.add(m.group(1) or "")
     if len(prefixes) > 1:
@@ -126,6 +142,39 @@ def locate(path: Path, tag: str | None = None) -> ZeroLayout:
         if per_rank:
             _check_ranks(tag_dir, per_rank, "zero_pp_rank_{r}_mp_rank_00_model_states.pt", expect=len(layout.optim_files))
     return layout
+
+
+def _read_latest(root: Path) -> str:
+    """The tag ``latest`` names: one directory directly inside the root (a
+    crafted ``latest`` holding ``/etc`` or ``../x`` would point Ravex elsewhere)."""
+    file = root / LATEST
+    try:
+        with open(file, "rb") as f:
+            raw = f.read(4097)
+    except OSError as exc:
+        from ..errors import from_os_error
+
+        raise from_os_error(exc, path=file) from None
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = None
+    if tag is None or len(raw) > 4096 or any(ord(c) < 32 for c in tag):
+        raise CorruptCheckpointError(
+            f"{file}: does not hold a tag name (DeepSpeed writes one short line, e.g. 'global_step100')",
+            hint="the file is damaged: write the tag directory's name into it, or pass --tag NAME",
+            path=file,
+        )
+    if not tag:
+        return tag
+    inside(root, tag, f"the tag named by '{LATEST}'", file)
+    if "/" in tag or "\\" in tag or tag in (".", ".."):
+        raise UnsafeCheckpointError(
+            f"{file}: names the tag {tag!r}, which is not a directory directly inside the checkpoint {root}",
+            hint="DeepSpeed's 'latest' holds one directory name (e.g. 'global_step100'); fix the file or pass --tag NAME",
+            path=file,
+        )
+    return tag
 
 
 def _check_ranks(tag_dir: Path, files: dict[int, Path], pattern: str, expect: int | None = None) -> None:
@@ -159,9 +208,38 @@ def _stage_of(value: Any) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
+    """``config[key]`` when it is a dict (a damaged ds_config may hold anything), else {}."""
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _names(value: Any, path: Path, key: str) -> list[str]:
+    """A list of names (``buffer_names``); None counts as empty."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise corrupt(path, f"'{key}' is not a list of names")
+    return list(value)
+
+
+def _shapes_dict(value: Any, path: Path, key: str) -> dict[str, tuple[int, ...]] | None:
+    """``frozen_param_shapes``: None, or name -> shape (checked)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise corrupt(path, f"{key} is not a dict (name -> shape)")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in value.items():
+        if not isinstance(shape, (tuple, list)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise corrupt(path, f"{key}['{name}'] is not a shape")
+        out[str(name)] = tuple(shape)
+    return out
+
+
 def _precision(ds_config: dict[str, Any], prefix: str) -> str:
-    bf16 = bool((ds_config.get("bf16") or {}).get("enabled")) or prefix == "bf16_"
-    fp16 = bool((ds_config.get("fp16") or {}).get("enabled")) or prefix == "fp16_"
+    bf16 = bool(_section(ds_config, "bf16").get("enabled")) or prefix == "bf16_"
+    fp16 = bool(_section(ds_config, "fp16").get("enabled")) or prefix == "fp16_"
     return "bf16" if bf16 else ("fp16" if fp16 else "fp32")
 
 
@@ -201,10 +279,10 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
     optim0 = open_archive(layout.optim_files[0])
     osd = optim0.root.get("optimizer_state_dict") if isinstance(optim0.root, dict) else None
     if not isinstance(osd, dict):
-        raise CorruptCheckpointError(f"{optim0.path}: has no 'optimizer_state_dict'; not a DeepSpeed optimizer file", path=optim0.path)
+        raise corrupt(optim0.path, "has no 'optimizer_state_dict'; not a DeepSpeed optimizer file", hint="copy this rank's *_optim_states.pt again from the save")
 
     ds_config: dict[str, Any] = ms["ds_config"] if isinstance(ms.get("ds_config"), dict) else {}
-    configured = _stage_of((ds_config.get("zero_optimization") or {}).get("stage"))
+    configured = _stage_of(_section(ds_config, "zero_optimization").get("stage"))
     saved_stage = _stage_of(osd.get("zero_stage"))
     bf16_optimizer = "zero_stage" not in osd
     stage = configured if configured is not None else (saved_stage if saved_stage is not None else (1 if bf16_optimizer else None))
@@ -229,6 +307,11 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
     info.step = ms.get("global_steps") if isinstance(ms.get("global_steps"), int) else None
     _tensors(info, ms, model)
     _optimizer(info, osd, optim0)
+    # Inspect is what people run to ask "is this checkpoint OK?": every file's
+    # zip directory (its last few hundred bytes) must be whole, though only
+    # rank 0's files are parsed.
+    for p in sorted({*layout.model_files.values(), *layout.optim_files.values()} - {model.path, optim0.path}):
+        check_archive(p)
     files: list[FileInfo] = []
     for r, p in sorted(layout.model_files.items()):
         files.append(FileInfo(str(p.relative_to(layout.root)), p.stat().st_size, "model_states", r if p.name.startswith("zero_pp") else None))
@@ -240,16 +323,15 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
 
 def _tensors(info: CheckpointInfo, ms: dict[str, Any], model: TorchArchive) -> None:
     module: dict[str, Any] = ms["module"] if isinstance(ms.get("module"), dict) else {}
-    buffers = ms.get("buffer_names") or []
-    frozen = ms.get("frozen_param_shapes") or {}
+    buffers = _names(ms.get("buffer_names"), model.path, "buffer_names")
+    frozen = _shapes_dict(ms.get("frozen_param_shapes"), model.path, "frozen_param_shapes") or {}
     shared = ms.get("shared_params") or {}
-    groups = ms["param_shapes"] if isinstance(ms["param_shapes"], list) else [ms["param_shapes"]]
-    for group in groups:
+    for group in _param_shapes(ms, model.path):
         for name, shape in group.items():
             ref = module.get(name)
             dtype = ref.dtype if isinstance(ref, TensorRef) else "float32"
             info.tensors.append(TensorInfo(name, tuple(shape), dtype, "param"))
-    if isinstance(frozen, dict):
+    if frozen:
         for name, shape in frozen.items():
             ref = module.get(name)
             info.tensors.append(TensorInfo(name, tuple(shape), ref.dtype if isinstance(ref, TensorRef) else "float32", "frozen"))
@@ -271,7 +353,8 @@ def _optimizer(info: CheckpointInfo, osd: dict[str, Any], optim0: TorchArchive) 
     inner = _find_optimizer_state(osd)
     names: list[str] = []
     if inner is not None:
-        for per in (inner.get("state") or {}).values():
+        state = inner.get("state")
+        for per in state.values() if isinstance(state, dict) else ():
             if isinstance(per, dict):
                 names.extend(k for k in per if k not in names)
     masters = osd.get("single_partition_of_fp32_groups") or osd.get("fp32_flat_groups") or osd.get("fp32_groups") or []
@@ -317,13 +400,14 @@ def read(path: Path, tag: str | None = None) -> Checkpoint:
     shared = ms.get("shared_params") or {}
     if not isinstance(shared, dict):
         raise corrupt(model.path, "shared_params is not a dict (alias -> parameter)")
-    buffers = [str(b) for b in ms.get("buffer_names") or []]
+    buffers = _names(ms.get("buffer_names"), model.path, "buffer_names")
     for name in buffers:
         ref = module.get(name)
         if not isinstance(ref, TensorRef):
             raise corrupt(model.path, f"buffer '{name}' is listed in buffer_names but not saved in 'module'")
         ckpt.add(_whole(model, ref, MODEL + name, f"buffer '{name}'"))
-    _read_frozen(ckpt, layout, model, ms, stage, trainable | set(buffers) | {str(a) for a in shared})
+    opened = {model.path: model, **{rf.path: rf.archive for rf in ranks}}
+    _read_frozen(ckpt, layout, model, ms, stage, trainable | set(buffers) | {str(a) for a in shared}, opened)
     for alias, target in shared.items():
         if MODEL + str(target) not in ckpt.tensors:
             raise corrupt(model.path, f"shared_params ties '{alias}' to '{target}', which is not a saved parameter")
@@ -339,7 +423,22 @@ def read(path: Path, tag: str | None = None) -> Checkpoint:
         ckpt.objects["loss_scaler"] = _plain(ranks[0].osd["loss_scaler"], ckpt, ranks[0].archive, f"{OBJ}loss_scaler")
     ckpt.objects["zero"] = _provenance(ms, ranks, stage, variant, precision, ds_config, groups)
     _check_bytes(ckpt)
+    _verify_crcs(ckpt, opened)
     return ckpt
+
+
+def _verify_crcs(ckpt: Checkpoint, opened: dict[Path, TorchArchive]) -> None:
+    """The CRC-32 of every storage a chunk reads from (RAVEX_NO_CRC=1 skips):
+    a flipped bit in a rank's partition is reported, not copied through."""
+    offsets: dict[Path, list[int]] = {}
+    for t in ckpt.tensors.values():
+        for c in t.chunks:
+            if c.file is not None:
+                offsets.setdefault(c.file, []).append(c.offset)
+    for file in sorted(offsets):
+        archive = opened.get(file)
+        if archive is not None:
+            verify_crcs(archive, storages_at(archive, offsets[file]))
 
 
 def _rank_file(rank: int, path: Path) -> RankFile:
@@ -423,35 +522,19 @@ def _whole(archive: TorchArchive, ref: TensorRef, name: str, what: str) -> Logic
     if ref.is_contiguous():
         t.chunks.append(tensor_chunk(archive, ref, 0, ref.numel, t.whole(), what))
     else:
-        t.chunks.append(Chunk(t.whole(), ref.dtype, data=_gather_strided(archive, ref, what)))
+        t.chunks.append(Chunk(t.whole(), ref.dtype, data=gather_strided(archive, ref, what)))
     return t
 
 
-def _gather_strided(archive: TorchArchive, ref: TensorRef, what: str) -> bytes:
-    # A strided view saved as is (a transposed buffer): gather it once, here, and
-    # carry it inline. Rare and small.
-    import numpy as np
-
-    size = itemsize(ref.dtype)
-    lanes = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
-    extent = 1 + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride)) if ref.numel else 0
-    if (ref.storage_offset + extent) * size > archive.storage_sizes.get(ref.storage.key, 0):
-        raise corrupt(archive.path, f"{what} runs past the end of its storage", hint="the file is truncated or damaged; copy it again")
-    with open(archive.path, "rb") as f:
-        f.seek(archive.tensor_offset(ref))
-        raw = f.read(extent * size)
-    storage = np.frombuffer(raw, dtype=lanes)
-    view = np.lib.stride_tricks.as_strided(storage, shape=ref.shape, strides=tuple(s * size for s in ref.stride), writeable=False)
-    return bytes(np.ascontiguousarray(view).tobytes())
-
-
-def _read_frozen(ckpt: Checkpoint, layout: ZeroLayout, model: TorchArchive, ms: dict[str, Any], stage: int, known: set[str]) -> None:
+def _read_frozen(
+    ckpt: Checkpoint, layout: ZeroLayout, model: TorchArchive, ms: dict[str, Any], stage: int, known: set[str], opened: dict[Path, TorchArchive]
+) -> None:
     """Frozen (requires_grad=False) parameters: no fp32 master exists, the files
     hold them in the working dtype. Stage 2: whole, in ``frozen_param_fragments``;
     stage 3: one flat ``ceil(numel/ws)`` piece per rank's model-states file;
     ZeRO-1 and BF16_Optimizer record none (``frozen_param_shapes`` is None): the
     value is only in ``module``."""
-    shapes = ms.get("frozen_param_shapes")
+    shapes = _shapes_dict(ms.get("frozen_param_shapes"), model.path, "frozen_param_shapes")
     module: dict[str, Any] = ms["module"] if isinstance(ms.get("module"), dict) else {}
     if shapes is None:
         for name, ref in module.items():
@@ -462,8 +545,6 @@ def _read_frozen(ckpt: Checkpoint, layout: ZeroLayout, model: TorchArchive, ms: 
             ckpt.add(_whole(model, ref, MODEL + str(name), f"frozen parameter '{name}'"))
             ckpt.notes.append(f"'{name}' is a frozen parameter kept only in the module state (zero{stage} records no frozen_param_shapes)")
         return
-    if not isinstance(shapes, dict):
-        raise corrupt(model.path, "frozen_param_shapes is not a dict (name -> shape)")
     if stage != 3:
         fragments = ms.get("frozen_param_fragments")
         for name, shape in shapes.items():
@@ -477,6 +558,7 @@ def _read_frozen(ckpt: Checkpoint, layout: ZeroLayout, model: TorchArchive, ms: 
         return
     ws = len(layout.optim_files)
     archives = [model if layout.model_files[r] == model.path else open_archive(layout.model_files[r]) for r in range(ws)]
+    opened.update((a.path, a) for a in archives)
     for name, shape in shapes.items():
         shape = tuple(shape)
         n = numel(shape)

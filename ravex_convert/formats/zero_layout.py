@@ -213,15 +213,19 @@ def _scalar_tensor(name: str, archive: TorchArchive, value: Any, what: str) -> L
 
 
 def _address(value: Any) -> tuple[int, int] | None:
-    """``fragment_address(numel, start)`` as (numel, start)."""
+    """``fragment_address(numel, start)`` as (numel, start); None when it is not
+    one (a damaged file: the caller's cross-check then names the parameter)."""
+    pair: Any = None
     if isinstance(value, Record):
         if isinstance(value.state, dict) and "numel" in value.state:
-            return int(value.state["numel"]), int(value.state["start"])
-        if len(value.args) == 2:
-            return int(value.args[0]), int(value.args[1])
-    if isinstance(value, tuple) and len(value) == 2:
-        return int(value[0]), int(value[1])
-    return None
+            pair = (value.state.get("numel"), value.state.get("start"))
+        elif len(value.args) == 2:
+            pair = value.args
+    elif isinstance(value, tuple) and len(value) == 2:
+        pair = value
+    if pair is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair):
+        return None
+    return int(pair[0]), int(pair[1])
 
 
 def _hyper(groups: Any, n: int, path: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,143 @@
+"""Where the model and the optimizer sit in a checkpoint's state tree.
+
+Ravex's portable layout is ``{"model": sd, "optim": {"state", "param_groups"}, ...}``.
+Real checkpoints nest it elsewhere: PyTorch's DCP recipe saves
+``{"app": AppState}`` whose ``state_dict()`` is ``{"model": ..., "optim": ...}``
+(so the model sits at ``("app", "model")``); torchtitan saves ``"model"`` and
+``"optimizer"``, the optimizer flattened by ``get_state_dict(...,
+flatten_optimizer_state_dict=True)`` into ``"state.<fqn>.<name>"`` and
+``"param_groups.<fqn>.<key>"`` entries. A reader records what it found as a
+:class:`StateLayout` in ``Checkpoint.source["state_layout"]`` (JSON-able); the
+writers that keep a state tree (DCP, torch_save) put the model and optimizer
+back where the source had them, so the source's own loading code still works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SOURCE_KEY", "PathItem", "StateLayout", "layout_of", "merge", "optimizer_tree", "place", "unflatten"]
+
+SOURCE_KEY = "state_layout"
+
+PathItem = str | int
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """``model``: the path of the model state dict (``()``: the top level);
+    ``optim``: the path of the optimizer state dict; ``optim_flat``: the
+    optimizer is in the flattened form of ``flatten_optimizer_state_dict``."""
+
+    model: tuple[PathItem, ...] = ("model",)
+    optim: tuple[PathItem, ...] = ("optim",)
+    optim_flat: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": list(self.model), "optim": list(self.optim), "optim_flat": self.optim_flat}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> StateLayout:
+        """The layout a reader recorded; the portable layout for anything else."""
+        if not isinstance(doc, dict):
+            return cls()
+
+        def path(v: Any, default: tuple[PathItem, ...]) -> tuple[PathItem, ...]:
+            if isinstance(v, (list, tuple)) and all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in v):
+                return tuple(v)
+            return default
+
+        return cls(path(doc.get("model"), ("model",)), path(doc.get("optim"), ("optim",)) or ("optim",), doc.get("optim_flat") is True)
+
+    def describe(self) -> dict[str, Any]:
+        """For ``inspect``: the two paths as DCP keys (dot-joined)."""
+        return {"model": ".".join(map(str, self.model)) or "(top level)", "optimizer": ".".join(map(str, self.optim)),
+                "optimizer_form": "flattened" if self.optim_flat else "nested"}
+
+
+def layout_of(source: dict[str, Any]) -> StateLayout:
+    return StateLayout.from_json(source.get(SOURCE_KEY))
+
+
+def optimizer_tree(layout: StateLayout, state: dict[str, dict[str, Any]], groups: list[Any]) -> dict[str, Any]:
+    """The optimizer state dict in the layout's form (``state`` keyed by parameter name)."""
+    if not layout.optim_flat:
+        return {"state": state, "param_groups": groups}
+    out: dict[str, Any] = {}
+    for fqn, per in state.items():
+        for name, value in per.items():
+            out[f"state.{fqn}.{name}"] = value
+    for g in groups:
+        if not isinstance(g, dict):
+            continue
+        for fqn in g.get("params", []):
+            for k, v in g.items():
+                if k != "params":
+                    out[f"param_groups.{fqn}.{k}"] = v
+    return out
+
+
+def merge(dst: Any, src: Any) -> Any:
+    """``src`` merged into ``dst``: dicts key by key and lists item by item,
+    recursively; where both hold a leaf, ``dst`` wins."""
+    if isinstance(dst, dict) and isinstance(src, dict):
+        for k, v in src.items():
+            dst[k] = merge(dst[k], v) if k in dst else v
+        return dst
+    if isinstance(dst, list) and isinstance(src, list):
+        for i, v in enumerate(src):
+            if i < len(dst):
+                dst[i] = merge(dst[i], v)
+            else:
+                dst.append(v)
+        return dst
+    return dst
+
+
+def place(root: dict[str, Any], path: tuple[PathItem, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in ``root`` (dict keys as strings), merging with
+    what is there already (``()``: merged into ``root`` itself)."""
+    if not path:
+        merge(root, value)
+        return
+    node = root
+    for p in path[:-1]:
+        key = str(p)
+        nxt = node.get(key)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[key] = nxt
+        node = nxt
+    last = str(path[-1])
+    node[last] = merge(node[last], value) if last in node else value
+
+
+def unflatten(leaves: Iterable[tuple[tuple[PathItem, ...], Any]]) -> dict[str, Any]:
+    """The nested state from ``(path, value)`` leaves, as DCP nests it: an int in a
+    path is a list index, a string a dict key. A list index that no leaf reaches
+    (an empty dict, which DCP's flattening drops) comes back as an empty dict,
+    which flattens to nothing again."""
+    root: dict[str, Any] = {}
+    for path, value in leaves:
+        if not path:
+            continue
+        node: Any = root
+        for i, p in enumerate(path):
+            last = i == len(path) - 1
+            nxt_is_list = not last and isinstance(path[i + 1], int)
+            fresh: Any = value if last else ([] if nxt_is_list else {})
+            if isinstance(node, list):
+                idx = int(p)
+                while len(node) <= idx:
+                    node.append({})
+                if last or not isinstance(node[idx], (dict, list)) or (node[idx] == {} and nxt_is_list):
+                    node[idx] = fresh
+                node = node[idx]
+            else:
+                key = str(p)
+                if last or not isinstance(node.get(key), (dict, list)):
+                    node[key] = fresh
+                node = node[key]
+    return root
