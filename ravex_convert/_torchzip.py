@@ -25,6 +25,7 @@ import io
 import os
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,7 +201,8 @@ def open_archive(path: str | Path, base: int = 0, length: int | None = None) -> 
         try:
             z = zipfile.ZipFile(io.BufferedReader(window))
             infos = z.infolist()
-        except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError, NotImplementedError, RuntimeError, zlib.error):
+            # zipfile raises NotImplementedError for a version or feature it does not know (a damaged header says 10.8)
             raise bad from None
         pkl = [i for i in infos if i.filename.endswith("data.pkl")]
         if len(pkl) != 1:
@@ -225,7 +227,7 @@ def open_archive(path: str | Path, base: int = 0, length: int | None = None) -> 
                     path=path,
                 ) from None
             raise bad from None
-        except (OSError, EOFError, KeyError, UnicodeDecodeError, ValueError, NotImplementedError, RuntimeError):
+        except (OSError, EOFError, KeyError, UnicodeDecodeError, ValueError, NotImplementedError, RuntimeError, zlib.error):
             raise bad from None
         if byteorder != "little":
             raise CorruptCheckpointError(
@@ -246,6 +248,8 @@ def open_archive(path: str | Path, base: int = 0, length: int | None = None) -> 
                     hint="the archive was rewritten by another tool; use the file torch.save wrote",
                     path=path,
                 )
+            if not 0 <= info.header_offset < length:
+                raise bad
             raw.seek(base + info.header_offset)
             header = raw.read(_LOCAL_HEADER.size)
             if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":

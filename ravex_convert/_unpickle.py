@@ -39,6 +39,7 @@ import io
 import os
 import pickle
 import reprlib
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -492,11 +493,24 @@ def _charged(op: Callable[[Any], None]) -> Callable[[Any], None]:
 _SIZED = (str, bytes, bytearray, tuple, list, dict, set, frozenset)
 
 
+def _load_bytearray8(self: Any) -> None:
+    # pickle's own BYTEARRAY8 allocates the length it declares before reading: 12 bytes of pickle
+    # could ask for gigabytes. No length may exceed the pickle itself.
+    (n,) = struct.unpack("<Q", self.read(8))
+    if n > self.size:
+        raise pickle.UnpicklingError(f"BYTEARRAY8 declares {n} bytes; the whole pickle is {self.size}")
+    b = bytearray(n)
+    if self.readinto(b) != n:
+        raise pickle.UnpicklingError("BYTEARRAY8 runs past the end of the pickle")
+    self.append(b)
+
+
 class _Unpickler(_PURE):
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(_PURE.dispatch)
     for _op in (pickle.REDUCE, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.OBJ, pickle.INST):
         dispatch[_op[0]] = _charged(_PURE.dispatch[_op[0]])
     del _op
+    dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
     dispatch[pickle.SETITEM[0]] = _load_setitem
     dispatch[pickle.SETITEMS[0]] = _load_setitems
     dispatch[pickle.DICT[0]] = _load_dict
@@ -506,6 +520,7 @@ class _Unpickler(_PURE):
 
     def __init__(self, data: bytes, source: str, storages: Callable[[tuple[Any, ...]], Any] | None, budget: int):
         super().__init__(io.BytesIO(data))
+        self.size = len(data)
         self.built = 0
         self.budget = budget
         self._source = source

@@ -15,6 +15,7 @@ from typing import Any
 
 from . import _core
 from ._engine import SourceTable, chunk_bytes
+from ._limits import MAX_EXPANSION_ENV, max_expansion
 from ._output import Options, durability, out_dtype, select
 from .detect import detect, inspect, read_checkpoint
 from .errors import CorruptCheckpointError, LayoutMismatchError, RavexError
@@ -123,6 +124,7 @@ def convert(
     if not opts.weights_only and "optimizer_error" in ckpt.source:
         raise ckpt.source["optimizer_error"]
     out = select(ckpt, opts)
+    _bounded(ckpt, out, opts, src)
     _param_groups(out, to, opts, hyperparameters)
     if ckpt.format == "native" and not dry_run:
         # the store's checksums are checked before any byte is used (docs/format.md section 12)
@@ -144,6 +146,30 @@ def convert(
     result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
                    "left_out": dropped, "seconds": time.perf_counter() - t0, "synced": sync})
     return result
+
+
+def _bounded(ckpt: Checkpoint, out: Checkpoint, opts: Options, src: str | Path) -> None:
+    """Refuse a conversion that would write far more than its source holds (a few KB
+    of zstd declaring gigabytes): the user is asked, through the limit, to confirm."""
+    files: set[Path] = set()
+    inline = 0
+    for t in ckpt.tensors.values():
+        for c in t.chunks:
+            if c.file is not None:
+                files.add(c.file)
+            elif c.data is not None:
+                inline += len(c.data)
+    held = inline + sum(f.stat().st_size for f in files if f.exists())
+    writes = sum(t.numel * itemsize(out_dtype(t, opts)) for t in out.tensors.values())
+    limit = max_expansion()
+    if writes > max(held, 1 << 20) * limit:
+        raise RavexError(
+            f"{src}: converting it would write {writes:,} bytes from {held:,} bytes on disk, more than {limit}x "
+            "(its tensors declare far more data than its files hold: compressed frames of gigabytes of zeros)",
+            hint=f"if the checkpoint is genuine, allow it: {MAX_EXPANSION_ENV}={-(-writes // max(held, 1))}; otherwise it was crafted "
+                 "to fill the disk — do not use it",
+            path=src,
+        )
 
 
 # Hyper-parameters an optimizer steps with, which a loader must find in each param group.

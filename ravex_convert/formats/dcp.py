@@ -142,7 +142,7 @@ def _path_of(key: str, planner: dict[Any, Any]) -> tuple[PathItem, ...]:
 def read_metadata(root: Path) -> DcpMetadata:
     """``.metadata`` unpickled (restricted) and checked: every later step may
     trust its shapes, chunks and byte ranges."""
-    meta_path = root / METADATA
+    meta_path = inside(root, METADATA, "metadata file", root)
     try:
         data = meta_path.read_bytes()
     except OSError as exc:

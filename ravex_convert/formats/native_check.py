@@ -17,7 +17,6 @@ import base64
 import binascii
 import itertools
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any, TypeGuard
 
 from .. import _core
 from .._engine import flat_range
+from .._limits import env_limit, max_chunks_per_tensor
 from .._paths import inside
 from .._tagged import TAG
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
@@ -45,7 +45,6 @@ MAX_INDEX = 99_999_999
 # million-GPU job stays below a million; checking a million takes seconds,
 # ten million took a minute. JSON nesting: the format's own structure is 8
 # levels deep; only `objects` and `source` hold free-form values.
-DEFAULT_MAX_CHUNKS = 1_000_000
 DEFAULT_MAX_DEPTH = 64
 MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 # Box comparisons the tiling check may make per tensor (section 11): grid
@@ -61,28 +60,9 @@ _METADATA_HINT = ("the checkpoint's metadata is damaged or was edited by hand; r
 _UPGRADE = "a newer Ravex may have written it: upgrade Ravex (pip install -U ravex); otherwise the file is damaged"
 
 
-def _limit(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw.replace("_", ""))
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise RavexError(f"environment variable {name}={raw!r} is not a positive integer",
-                         hint=f"unset it to use the default ({default:,}), or set a positive integer")
-    return value
-
-
-def max_chunks_per_tensor() -> int:
-    """Chunks one tensor may have (``RAVEX_MAX_CHUNKS_PER_TENSOR``, default 1,000,000)."""
-    return _limit("RAVEX_MAX_CHUNKS_PER_TENSOR", DEFAULT_MAX_CHUNKS)
-
-
 def max_json_depth() -> int:
     """How deep ``objects`` and ``source`` may nest (``RAVEX_MAX_JSON_DEPTH``, default 64)."""
-    return _limit("RAVEX_MAX_JSON_DEPTH", DEFAULT_MAX_DEPTH)
+    return env_limit("RAVEX_MAX_JSON_DEPTH", DEFAULT_MAX_DEPTH)
 
 
 def metadata_checksum(raw: bytes) -> str:

@@ -60,6 +60,22 @@ def _shape(path: Path, name: str, v: Any) -> tuple[int, ...]:
     return tuple(v)
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different: json.loads keeps the last of two, silently."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return d
+
+
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The parsed, checked header and the absolute offset where tensor data begins."""
     try:
@@ -77,7 +93,9 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     except OSError as exc:
         raise from_os_error(exc, path=path) from None
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique)
+    except _DuplicateKey as exc:
+        raise _bad(path, f"the header names {exc.args[0]!r} twice (which entry is the tensor?)") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise _bad(path, f"the header is not JSON ({type(exc).__name__})") from None
     if not isinstance(header, dict):
@@ -141,7 +159,7 @@ def _tensors_of(path: Path, header: dict[str, Any]) -> list[TensorInfo]:
 
 def _read_index(path: Path) -> tuple[dict[str, str], dict[str, Path]]:
     """The index's weight_map, and each shard it names, checked to lie inside ``path``."""
-    index_path = path / INDEX_NAME
+    index_path = inside(path, INDEX_NAME, "index file", path)
     bad = CorruptCheckpointError(
         f"{index_path}: not a valid safetensors index (needs a JSON object whose 'weight_map' maps tensor names to shard file names)",
         hint="regenerate the index, or point Ravex at the shard files",

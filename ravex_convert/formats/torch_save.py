@@ -19,6 +19,7 @@ from typing import Any
 from .._engine import CopyJob, Target, page_residue
 from .._layout import layout_of, optimizer_tree, place
 from .._output import Options, fsync_fd, out_dtype, staged
+from .._paths import inside
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from .._torchzip import TorchArchive, gather_strided, is_torch_zip, open_archive, verify_crcs
 from .._unpickle import TensorRef
@@ -36,6 +37,11 @@ _STEP_KEYS = ("step", "global_step", "iteration", "global_steps")
 
 def _candidates(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES)
+
+
+def _the_file(path: Path) -> Path:
+    """The one torch.save file of a directory; a symbolic link out of it is refused."""
+    return inside(path, _candidates(path)[0].name, "torch.save file", path)
 
 
 def sniff(path: Path) -> list[str] | None:
@@ -149,7 +155,7 @@ def _check_optimizer(optim: Any, key: str | None, file: Path) -> None:
 
 
 def describe(path: Path, reasons: list[str], archive: TorchArchive | None = None) -> CheckpointInfo:
-    file = path if path.is_file() else _candidates(path)[0]
+    file = path if path.is_file() else _the_file(path)
     if archive is None:
         archive = open_archive(file)
     root = archive.root
@@ -268,7 +274,7 @@ def _param_names_by_order(sd: dict[str, TensorRef], aliases: dict[str, str], opt
 
 
 def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
-    file = path if path.is_file() else _candidates(path)[0]
+    file = path if path.is_file() else _the_file(path)
     archive = open_archive(file)
     info = describe(path, [], archive)  # parsed once, described and read
     verify_crcs(archive)  # every storage's bytes against the CRC-32 torch.save recorded (RAVEX_NO_CRC=1 skips)

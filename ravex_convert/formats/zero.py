@@ -104,6 +104,8 @@ def locate(path: Path, tag: str | None = None) -> ZeroLayout:
     layout = ZeroLayout(root, tag_dir, tag if tag is not None else tag_dir.name, reasons=reasons)
     prefixes = set()
     for p in sorted(tag_dir.iterdir()):
+        if _MODEL_FILE.match(p.name) or _OPTIM_FILE.match(p.name):
+            inside(tag_dir, p.name, "rank file", tag_dir)  # a symbolic link out of the checkpoint is refused
         if m := _MODEL_FILE.match(p.name):
             if int(m.group(2)) != 0:
                 raise RavexError(
