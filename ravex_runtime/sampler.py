@@ -31,15 +31,25 @@ from typing import Any
 import torch
 
 from .state import Snapshot
-from .workers import ResumeInit, StampCollate, Stamped
+from .workers import ResumeInit, StampCollate, Stamped, rng_objects
 
-__all__ = ["LoaderState", "generators_of", "unstamped"]
+__all__ = ["LoaderState", "generators_of", "unrestorable_generators", "unstamped"]
 
 log = logging.getLogger("ravex")
 
 
+# A sampler's own attributes that lead to the data, not to how it draws.
+_NOT_THE_SAMPLERS = ("data_source", "dataset")
+
+
+def _samplers(loader: Any) -> list[tuple[str, Any]]:
+    out = [("sampler", getattr(loader, "sampler", None)), ("batch_sampler", getattr(loader, "batch_sampler", None))]
+    return [(k, s) for k, s in out if s is not None]
+
+
 def generators_of(loader: Any) -> dict[str, torch.Generator]:
-    """The explicit generators a loader draws from: its own and its samplers'."""
+    """The explicit generators a loader draws from: its own and its samplers' — also a
+    user-written sampler's, whatever attribute holds it."""
     out: dict[str, torch.Generator] = {}
     g = getattr(loader, "generator", None)
     if isinstance(g, torch.Generator):
@@ -52,7 +62,20 @@ def generators_of(loader: Any) -> dict[str, torch.Generator]:
     g = getattr(getattr(bs, "sampler", None), "generator", None)
     if isinstance(g, torch.Generator) and "sampler" not in out:
         out["batch_sampler"] = g
+    known = {id(g) for g in out.values()}
+    for where, s in _samplers(loader):
+        for path, obj in rng_objects(s, _NOT_THE_SAMPLERS).items():
+            if isinstance(obj, torch.Generator) and id(obj) not in known:
+                known.add(id(obj))
+                out[f"{where}.{path}"] = obj
     return out
+
+
+def unrestorable_generators(loader: Any) -> list[str]:
+    """Generators of other kinds a sampler holds (NumPy, Python ``random``): the order they
+    draw cannot be put back at the start of the epoch."""
+    return [f"{type(s).__name__}.{path} ({type(obj).__module__}.{type(obj).__name__})"
+            for _, s in _samplers(loader) for path, obj in rng_objects(s, _NOT_THE_SAMPLERS).items() if not isinstance(obj, torch.Generator)]
 
 
 class _SkipFirst:
@@ -173,6 +196,11 @@ class LoaderState:
         # this process is saved with the position; any other is replayed from the epoch's start.
         self.replayable = not isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
         self.warned = False
+        odd = unrestorable_generators(loader)
+        if odd:
+            log.warning("ravex: the DataLoader's sampler draws from %s; Ravex restores torch.Generator objects only, so after a resume "
+                        "this sampler's order will differ from the uninterrupted run. Hold a torch.Generator instead, or track the "
+                        "sampler (ravex.track(sampler), with state_dict/load_state_dict)", ", ".join(odd))
         # Persistent workers: the random state their iterator's base seed was drawn from, and each
         # worker's generator states after its latest batch and at the start of this epoch.
         self.persistent = bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "num_workers", 0) > 0

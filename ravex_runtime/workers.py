@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ResumeInit", "StampCollate", "Stamped", "apply_states", "check_states", "worker_states"]
+__all__ = ["ResumeInit", "StampCollate", "Stamped", "apply_states", "check_states", "rng_objects", "worker_states"]
 
 # Generators held by the dataset (or by an object it holds: a transform) are found
 # this deep; the state of a deeper or unnamed one (a closure's) is not carried
@@ -47,8 +47,9 @@ def _numpy() -> Any:
     return numpy
 
 
-def _rng_objects(root: Any) -> dict[str, Any]:
-    """Generator objects reachable from ``root`` through attributes, by attribute path."""
+def rng_objects(root: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Generator objects reachable from ``root`` through attributes, by attribute path
+    (not through the attributes named in ``skip``)."""
     np = _numpy()
     kinds: tuple[type, ...] = (random.Random, torch.Generator)
     if np is not None:
@@ -70,6 +71,8 @@ def _rng_objects(root: Any) -> dict[str, Any]:
         except TypeError:
             return
         for name in sorted(attrs):
+            if name in skip:
+                continue
             value = attrs[name]
             if isinstance(value, (str, bytes, int, float, bool, type(None), torch.Tensor)):
                 continue
@@ -118,7 +121,7 @@ def worker_states(dataset: Any) -> dict[str, Any]:
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         out["numpy"] = (name, bytes(keys.tobytes()), int(pos), int(has_gauss), float(cached))
-    objects = {path: _object_state(obj) for path, obj in _rng_objects(dataset).items()}
+    objects = {path: _object_state(obj) for path, obj in rng_objects(dataset).items()}
     if objects:
         out["objects"] = objects
     return out
@@ -132,7 +135,7 @@ def apply_states(states: dict[str, Any], dataset: Any) -> None:
     if np is not None and "numpy" in states:
         name, keys, pos, has_gauss, cached = states["numpy"]
         np.random.set_state((name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
-    objects = _rng_objects(dataset)
+    objects = rng_objects(dataset)
     for path, state in (states.get("objects") or {}).items():
         if path in objects:
             _set_object_state(objects[path], state)

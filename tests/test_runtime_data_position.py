@@ -127,3 +127,45 @@ def test_samplers_resume_at_their_exact_position(kind: str, env: Path, monkeypat
         bs = BatchSampler(RandomSampler(_DATA), batch_size=5, drop_last=False)
         return DataLoader(_DATA, batch_sampler=bs, num_workers=2 if kind == "workers_batch_sampler" else 0), None
     _same_as_uninterrupted(monkeypatch, make, stop=5, total=13)
+
+
+class _OwnOrder(torch.utils.data.Sampler[int]):
+    """A user-written sampler keeping its generator under a name of its own."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.rng_for_order = torch.Generator().manual_seed(21)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from torch.randperm(self.n, generator=self.rng_for_order).tolist()
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_a_user_written_sampler_with_its_own_generator_resumes_exactly(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _same_as_uninterrupted(monkeypatch, lambda: (DataLoader(_DATA, batch_size=4, sampler=_OwnOrder(30)), None), stop=10, total=17)
+
+
+class _NumpyOrder(torch.utils.data.Sampler[int]):
+    def __init__(self, n: int):
+        import numpy as np
+
+        self.n, self.rng = n, np.random.default_rng(3)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from (int(i) for i in self.rng.permutation(self.n))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_a_sampler_drawing_from_numpy_is_named_at_start(env: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    logging.getLogger("ravex").addHandler(caplog.handler)
+    try:
+        _trainer(lambda: (DataLoader(_DATA, batch_size=4, sampler=_NumpyOrder(30)), None), [])(2)
+    finally:
+        logging.getLogger("ravex").removeHandler(caplog.handler)
+    assert any("_NumpyOrder.rng (numpy.random._generator.Generator)" in r.getMessage() for r in caplog.records)
