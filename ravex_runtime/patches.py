@@ -29,6 +29,16 @@ def patched_targets() -> list[tuple[Any, str]]:
         (torch.nn.Module, "__init__"), (torch.nn.Module, "train"), (torch.optim.Optimizer, "__init__"),
         (lr_scheduler.LRScheduler, "__init__"), (torch.amp.GradScaler, "__init__"), (DataLoader, "__init__"), (DataLoader, "__iter__"),
     ]
+    # A DataLoader of its own kind (torchdata's StatefulDataLoader) that defines __iter__ itself.
+    todo, seen = list(DataLoader.__subclasses__()), set()
+    while todo:
+        sub = todo.pop()
+        if sub in seen:
+            continue
+        seen.add(sub)
+        todo.extend(sub.__subclasses__())
+        if "__iter__" in vars(sub):
+            out.append((sub, "__iter__"))
     plateau = getattr(lr_scheduler, "ReduceLROnPlateau", None)
     if plateau is not None and not issubclass(plateau, lr_scheduler.LRScheduler):
         out.append((plateau, "__init__"))

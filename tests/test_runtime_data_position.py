@@ -169,3 +169,24 @@ def test_a_sampler_drawing_from_numpy_is_named_at_start(env: Path, caplog: pytes
     finally:
         logging.getLogger("ravex").removeHandler(caplog.handler)
     assert any("_NumpyOrder.rng (numpy.random._generator.Generator)" in r.getMessage() for r in caplog.records)
+
+
+class _Noisy(torch.utils.data.Dataset[torch.Tensor]):
+    """Each item drawn anew in whichever process loads it."""
+
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)]) + torch.rand(1)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 calls it on import, under torch 2.15
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torchdata_stateful_dataloader_resumes_exactly(workers: int, env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # StatefulDataLoader defines its own __iter__ (patched too); Ravex replays it like any DataLoader,
+    # so the noise drawn in __getitem__ continues too, which the loader's own state_dict() does not give.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    _same_as_uninterrupted(monkeypatch, lambda: (StatefulDataLoader(_Noisy(), batch_size=4, shuffle=True, num_workers=workers), None),
+                           stop=10, total=17)
