@@ -130,6 +130,7 @@ class Result:
     segments: int = 0
     steps: int = 0
     redone: list[int] = field(default_factory=list)  # steps trained again after each kill
+    resumed: int = 0  # segments that said they resumed from a checkpoint
     seconds: float = 0.0
     reference_seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -207,6 +208,7 @@ def soak(workdir: Path, kills: int, seed: int = 0, max_steps: int | None = None,
                 killed = True
         _, err = p.communicate(timeout=3600)
         res.segments += 1
+        res.resumed += "resuming from checkpoint" in err
         lines = _logged(log)[before:]
         if killed:
             res.kills += 1
@@ -228,6 +230,9 @@ def soak(workdir: Path, kills: int, seed: int = 0, max_steps: int | None = None,
     if not res.problems:
         if res.kills < kills:
             res.problems.append(f"the run reached max_steps after {res.kills} of {kills} kills: raise --max-steps")
+        elif max(res.redone, default=0) > 2 * every + 2:
+            # a kill loses at most the steps since the last committed checkpoint, plus the one in flight
+            res.problems.append(f"a kill cost {max(res.redone)} steps trained again; at most {2 * every + 2} are expected: a resume lost checkpoints")
         elif res.steps != max_steps:
             res.problems.append(f"the run ended at step {res.steps}, not at max_steps {max_steps}")
         elif json.loads((workdir / "out-kill.json").read_text()) != json.loads((workdir / "out-ref.json").read_text()):
@@ -245,7 +250,7 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ravex-soak-"))
     res = soak(workdir, args.kills, args.seed, args.max_steps)
     redone = sorted(res.redone)
-    print(f"kills {res.kills}, segments {res.segments}, steps {res.steps}, "
+    print(f"kills {res.kills}, segments {res.segments} ({res.resumed} resumed from a checkpoint), steps {res.steps}, "
           f"steps trained again per kill: median {redone[len(redone) // 2] if redone else 0}, max {max(redone, default=0)}; "
           f"killed run {res.seconds:.0f} s, uninterrupted run {res.reference_seconds:.1f} s")
     for p in res.problems:

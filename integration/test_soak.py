@@ -16,3 +16,6 @@ def test_twenty_kills_anywhere_lose_nothing_and_diverge_nowhere(tmp_path: Path) 
     assert res.problems == []
     assert res.kills == 20
     assert res.segments == 21
+    # A runtime that started from scratch each time would log the same losses: the resumes must be real.
+    assert res.resumed >= 10, f"only {res.resumed} of 21 segments resumed from a checkpoint"
+    assert max(res.redone) <= 6

@@ -40,6 +40,8 @@ log = logging.getLogger("ravex")
 
 # A sampler's own attributes that lead to the data, not to how it draws.
 _NOT_THE_SAMPLERS = ("data_source", "dataset")
+# How deep in a sampler's attributes its generators are looked for.
+_SAMPLER_DEPTH = 4
 
 
 def _samplers(loader: Any) -> list[tuple[str, Any]]:
@@ -64,7 +66,7 @@ def generators_of(loader: Any) -> dict[str, torch.Generator]:
         out["batch_sampler"] = g
     known = {id(g) for g in out.values()}
     for where, s in _samplers(loader):
-        for path, obj in rng_objects(s, _NOT_THE_SAMPLERS).items():
+        for path, obj in rng_objects(s, _NOT_THE_SAMPLERS, _SAMPLER_DEPTH).items():
             if isinstance(obj, torch.Generator) and id(obj) not in known:
                 known.add(id(obj))
                 out[f"{where}.{path}"] = obj
@@ -75,7 +77,7 @@ def unrestorable_generators(loader: Any) -> list[str]:
     """Generators of other kinds a sampler holds (NumPy, Python ``random``): the order they
     draw cannot be put back at the start of the epoch."""
     return [f"{type(s).__name__}.{path} ({type(obj).__module__}.{type(obj).__name__})"
-            for _, s in _samplers(loader) for path, obj in rng_objects(s, _NOT_THE_SAMPLERS).items() if not isinstance(obj, torch.Generator)]
+            for _, s in _samplers(loader) for path, obj in rng_objects(s, _NOT_THE_SAMPLERS, _SAMPLER_DEPTH).items() if not isinstance(obj, torch.Generator)]
 
 
 class _SkipFirst:
@@ -312,9 +314,10 @@ class LoaderState:
             if persistent is not None:
                 self.worker_start = {int(w): s for w, s in (persistent.get("start") or {}).items()}
         if not self.replayable and consumed:
-            log.warning("ravex: the DataLoader over %s (an IterableDataset without state_dict()) has no index sampler to advance; "
+            why = "read in worker processes, whose copies' state the main process never sees" if _stateful(loader.dataset) else "without state_dict()"
+            log.warning("ravex: the DataLoader over %s (an IterableDataset %s) has no index sampler to advance; "
                         "the %d batches of this epoch already trained on are read again and dropped, so the stream continues where "
-                        "it was if it yields the same items each time it is iterated", type(loader.dataset).__name__, consumed)
+                        "it was if it yields the same items each time it is iterated", type(loader.dataset).__name__, why, consumed)
         if loader.num_workers == 0 and self.replayable:
             it = self._skip(loader, original, starts, consumed)
         else:

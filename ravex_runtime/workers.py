@@ -47,7 +47,7 @@ def _numpy() -> Any:
     return numpy
 
 
-def rng_objects(root: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def rng_objects(root: Any, skip: tuple[str, ...] = (), depth: int = _DEPTH) -> dict[str, Any]:
     """Generator objects reachable from ``root`` through attributes, by attribute path
     (not through the attributes named in ``skip``)."""
     np = _numpy()
@@ -57,14 +57,14 @@ def rng_objects(root: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     found: dict[str, Any] = {}
     seen: set[int] = set()
 
-    def walk(obj: Any, path: str, depth: int) -> None:
+    def walk(obj: Any, path: str, level: int) -> None:
         if id(obj) in seen or len(found) >= _MAX_OBJECTS:
             return
         seen.add(id(obj))
         if isinstance(obj, kinds):
             found[path] = obj
             return
-        if depth >= _DEPTH:
+        if level >= depth:
             return
         try:
             attrs = vars(obj)
@@ -76,7 +76,7 @@ def rng_objects(root: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
             value = attrs[name]
             if isinstance(value, (str, bytes, int, float, bool, type(None), torch.Tensor)):
                 continue
-            walk(value, f"{path}.{name}" if path else name, depth + 1)
+            walk(value, f"{path}.{name}" if path else name, level + 1)
 
     walk(root, "", 0)
     return found

@@ -275,3 +275,24 @@ def test_elastic_to_dcp_with_hyperparameters_loads_with_torch_dcp(tmp_path: Path
     for mine, ref in zip(got["groups"], true["param_groups"], strict=True):
         for k in ("lr", "weight_decay", "betas", "eps", "initial_lr"):
             assert mine[k] == ref[k], k
+
+
+# --- output bounded against the source (RAVEX_MAX_EXPANSION) -------------------------------------
+
+
+def test_a_conversion_writing_far_more_than_its_source_holds_is_refused_then_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    torch.save({"w": torch.zeros(20 * 2**20)}, tmp_path / "zeros.pt")  # 80 MiB of zeros
+    store = tmp_path / "store"
+    assert run_ravex("convert", tmp_path / "zeros.pt", store, "--to", "native", "--compression", "zstd").returncode == 0
+    held = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    assert held < 2**20  # zstd: a few KB stand for 80 MiB
+    res = run_ravex("convert", store, tmp_path / "out.safetensors")
+    assert res.returncode == 2, res.stderr
+    assert "more than 64x" in res.stderr and "hint: if the checkpoint is genuine, allow it: RAVEX_MAX_EXPANSION=" in res.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+    monkeypatch.setenv("RAVEX_MAX_EXPANSION", "100000")
+    res = run_ravex("convert", store, tmp_path / "out.safetensors")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "out.safetensors").stat().st_size > 80 * 2**20

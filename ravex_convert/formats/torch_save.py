@@ -229,7 +229,7 @@ def _embed(cands: list[str], shapes: list[tuple[int, ...] | None], sd: dict[str,
 
 
 def _param_names_by_order(sd: dict[str, TensorRef], aliases: dict[str, str], optim: dict[str, Any],
-                          param_names: list[str] | None) -> dict[Any, str]:
+                          param_names: list[str] | None, file: Path) -> dict[Any, str]:
     """torch's optimizer.state_dict() keys parameters by position in its param
     groups; the file does not say which parameter each position was. With
     ``param_names`` (the names in position order) that is given. Otherwise each
@@ -239,14 +239,15 @@ def _param_names_by_order(sd: dict[str, TensorRef], aliases: dict[str, str], opt
     state = optim.get("state") or {}
     groups = [list(g.get("params", [])) for g in optim.get("param_groups") or []]
     ids = [pid for g in groups for pid in g]
-    hint = ("pass the parameter names in optimizer order (--param-names FILE: one name per line, group after group), "
-            "or save the optimizer keyed by name (torch.distributed.checkpoint.state_dict.get_state_dict), or convert with --weights-only")
+    hint = ("`ravex convert` takes the parameter names in optimizer order (--param-names FILE: one name per line, group after group); "
+            "or save the optimizer keyed by name (torch.distributed.checkpoint.state_dict.get_state_dict); "
+            "or leave the optimizer state out (--weights-only, for convert and verify)")
     if param_names is not None:
         if len(param_names) != len(ids):
-            raise LayoutMismatchError(f"--param-names lists {len(param_names)} names; the optimizer state has {len(ids)} parameters", hint=hint)
+            raise LayoutMismatchError(f"{file}: --param-names lists {len(param_names)} names; the optimizer state has {len(ids)} parameters", hint=hint)
         missing = [n for n in param_names if n not in sd]
         if missing:
-            raise LayoutMismatchError(f"--param-names names '{missing[0]}', which is not in the model state dict", hint=hint)
+            raise LayoutMismatchError(f"{file}: --param-names names '{missing[0]}', which is not in the model state dict", hint=hint)
         return dict(zip(ids, param_names))
     candidates = [n for n in sd if n not in aliases]
     used: set[str] = set()
@@ -260,11 +261,11 @@ def _param_names_by_order(sd: dict[str, TensorRef], aliases: dict[str, str], opt
         early = _embed(candidates, shapes, sd, used, reverse=False)
         late = _embed(candidates, shapes, sd, used, reverse=True)
         if early is None or late is None:
-            raise LayoutMismatchError("the optimizer state keys parameters by position, and its shapes do not match the model's entries in order", hint=hint)
+            raise LayoutMismatchError(f"{file}: the optimizer state keys parameters by position, and its shapes do not match the model's entries in order", hint=hint)
         if early != late:
             diff = next(i for i, (x, y) in enumerate(zip(early, late)) if x != y)
             raise LayoutMismatchError(
-                f"the optimizer state keys parameters by position, and position {g[diff]} could be '{early[diff]}' or '{late[diff]}' "
+                f"{file}: the optimizer state keys parameters by position, and position {g[diff]} could be '{early[diff]}' or '{late[diff]}' "
                 "(a plain state dict does not mark which entries are buffers)",
                 hint=hint,
             )
@@ -293,7 +294,7 @@ def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
         state = optim.get("state") or {}
         by_index = any(isinstance(k, int) for k in state)
         try:
-            names = _param_names_by_order(sd, aliases, optim, param_names) if by_index else {k: k for k in state}
+            names = _param_names_by_order(sd, aliases, optim, param_names, file) if by_index else {k: k for k in state}
         except LayoutMismatchError as exc:
             # The weights are fine; only the optimizer state cannot be named.
             # Whoever needs it (convert without --weights-only, verify) raises this.
