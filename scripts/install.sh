@@ -24,3 +24,28 @@ if missing:
 print(f"install.sh: wheel ok ({len(names)} files)", file=sys.stderr)
 PY
 "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --force-reinstall "$wheel" >&2
+# What `pip install ravex-*.whl` would resolve: every dependency the wheel declares is
+# installed here at a version it accepts (a dependency the packages need but the wheel
+# forgot to declare is tests/test_packaging.py's to find).
+"$venv/bin/python" - <<'PY'
+import sys
+from importlib import metadata
+
+from pip._vendor.packaging.requirements import Requirement
+
+bad = []
+for text in metadata.requires("ravex") or []:
+    req = Requirement(text)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        have = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        bad.append(f"{req} (not installed)")
+        continue
+    if not req.specifier.contains(have, prereleases=True):
+        bad.append(f"{req} (installed: {have})")
+if bad:
+    sys.exit("install.sh: the wheel's declared dependencies are not met: " + ", ".join(bad))
+print("install.sh: declared dependencies met", file=sys.stderr)
+PY
