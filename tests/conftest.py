@@ -47,3 +47,18 @@ def inspect_json(path: Path, *extra: str) -> dict[str, Any]:
 
 def fixture_dirs() -> list[str]:
     return sorted(p.name for p in DATA.iterdir() if (p / "checkpoint").is_dir()) if DATA.is_dir() else []
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A runtime test's world: no RAVEX_* from outside, the working directory and the
+    store in tmp_path, a checkpoint every 2 steps, 10 kept. Returns the store's path."""
+    for k in list(os.environ):
+        if k.startswith("RAVEX_"):
+            monkeypatch.delenv(k)
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "store"
+    monkeypatch.setenv("RAVEX_STORAGE_PATH", str(store))
+    monkeypatch.setenv("RAVEX_CHECKPOINT_EVERY", "2")
+    monkeypatch.setenv("RAVEX_KEEP_LAST", "10")
+    return store

@@ -20,19 +20,6 @@ from ravex_runtime.patches import patched_targets
 from ravex_runtime.status import store_status
 
 
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for k in list(os.environ):
-        if k.startswith("RAVEX_"):
-            monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
-    store = tmp_path / "store"
-    monkeypatch.setenv("RAVEX_STORAGE_PATH", str(store))
-    monkeypatch.setenv("RAVEX_CHECKPOINT_EVERY", "2")
-    monkeypatch.setenv("RAVEX_KEEP_LAST", "10")
-    return store
-
-
 def originals() -> list[Any]:
     return [cls.__dict__[name] for cls, name in patched_targets()]
 

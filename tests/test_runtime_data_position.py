@@ -6,7 +6,6 @@ both calls must be the batches of one uninterrupted run."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,18 +23,6 @@ from torch.utils.data import (
 )
 
 import ravex
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for k in list(os.environ):
-        if k.startswith("RAVEX_"):
-            monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("RAVEX_STORAGE_PATH", str(tmp_path / "store"))
-    monkeypatch.setenv("RAVEX_CHECKPOINT_EVERY", "2")
-    monkeypatch.setenv("RAVEX_KEEP_LAST", "10")
-    return tmp_path / "store"
 
 
 class Counting(torch.utils.data.IterableDataset[torch.Tensor]):

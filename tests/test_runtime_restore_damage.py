@@ -12,7 +12,6 @@ pruning nothing), or stop before its first step with one clear error.
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,19 +27,6 @@ from ravex_runtime import ResumeError
 from ravex_runtime import runtime as rtmod
 from ravex_runtime.state import Snapshot, capture_rng
 from ravex_runtime.status import store_status
-
-
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for k in list(os.environ):
-        if k.startswith("RAVEX_"):
-            monkeypatch.delenv(k)
-    monkeypatch.chdir(tmp_path)
-    store = tmp_path / "store"
-    monkeypatch.setenv("RAVEX_STORAGE_PATH", str(store))
-    monkeypatch.setenv("RAVEX_CHECKPOINT_EVERY", "2")
-    monkeypatch.setenv("RAVEX_KEEP_LAST", "10")
-    return store
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from .. import _core
 from .._engine import flat_range
 from .._limits import env_limit, max_chunks_per_tensor
 from .._paths import inside
+from .._strictjson import DuplicateKey, unique_pairs
 from .._tagged import TAG
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from ..model import Box, Chunk, Flat, LogicalTensor, Region
@@ -73,23 +74,6 @@ def metadata_checksum(raw: bytes) -> str:
 # ---------------------------------------------------------------- strict JSON
 
 
-class _Duplicate(ValueError):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _Duplicate(k)
-            seen.add(k)
-    return d
-
-
 def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
@@ -128,8 +112,8 @@ def load_json(path: Path, expected_format: str, *, hint: str, missing_hint: str 
         raise corrupt(f"is not valid UTF-8 (byte {exc.start} of {len(raw)})") from None
     depth = max_json_depth()
     try:
-        doc = json.loads(text, object_pairs_hook=_pairs, parse_constant=_constant)
-    except _Duplicate as exc:
+        doc = json.loads(text, object_pairs_hook=unique_pairs, parse_constant=_constant)
+    except DuplicateKey as exc:
         raise corrupt(f"has the key {exc.key!r} twice in one object; the format forbids duplicate keys") from None
     except RecursionError:
         raise corrupt(f"is nested too deeply to parse (the format allows {depth} levels in objects and source)") from None

@@ -21,6 +21,7 @@ from typing import Any
 from .._engine import CopyJob, Target
 from .._output import Options, out_dtype, staged
 from .._paths import inside
+from .._strictjson import DuplicateKey, unique_pairs
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize, numel
@@ -60,22 +61,6 @@ def _shape(path: Path, name: str, v: Any) -> tuple[int, ...]:
     return tuple(v)
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are all different: json.loads keeps the last of two, silently."""
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _DuplicateKey(k)
-            seen.add(k)
-    return d
-
-
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The parsed, checked header and the absolute offset where tensor data begins."""
     try:
@@ -93,9 +78,9 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     except OSError as exc:
         raise from_os_error(exc, path=path) from None
     try:
-        header = json.loads(raw, object_pairs_hook=_unique)
-    except _DuplicateKey as exc:
-        raise _bad(path, f"the header names {exc.args[0]!r} twice (which entry is the tensor?)") from None
+        header = json.loads(raw, object_pairs_hook=unique_pairs)
+    except DuplicateKey as exc:
+        raise _bad(path, f"the header names {exc.key!r} twice (which entry is the tensor?)") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise _bad(path, f"the header is not JSON ({type(exc).__name__})") from None
     if not isinstance(header, dict):

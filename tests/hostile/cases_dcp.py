@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from . import picklekit as pk
 from . import zipkit
-from .corpus import REPO, add, code_pickle, flip, seed_of, symlink_out, truncate
+from .corpus import add, code_pickle, flip, seed_of, symlink_out, truncate
 
 # ---- DCP --------------------------------------------------------------------------
 
 
 def _dcp_items(root: Path) -> list[tuple[str, int, int]]:
-    sys.path.insert(0, str(REPO))
+    # the installed Ravex: the source tree has no compiled core (CI tests the wheel)
     from ravex_convert.formats import dcp
 
     meta = dcp.read_metadata(root)
