@@ -19,16 +19,14 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._dtypes import STORAGE_CLASSES, V1_DTYPES
 from ._unpickle import DType
 from .errors import RavexError
 
-__all__ = ["STORAGE_TYPES", "PickleDict", "PickleGlobal", "PickleObject", "StorageOut", "TensorOut", "ZipLayout", "dumps"]
+__all__ = ["SERIALIZATION_ID", "STORAGE_TYPES", "PickleDict", "PickleGlobal", "PickleObject", "StorageOut", "TensorOut", "ZipLayout", "dumps"]
 
-STORAGE_TYPES = {
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
-    "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage",
-    "uint8": "ByteStorage", "bool": "BoolStorage",
-}
+# the dtypes Ravex writes into torch.save archives, and their storage classes
+STORAGE_TYPES = {name: STORAGE_CLASSES[name] for name in V1_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -239,6 +237,8 @@ _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _ALIGN = 64
 _PAGE = 4096
+# torch.save's .data/serialization_id record: fixed, so the same input gives the same bytes
+SERIALIZATION_ID = b"ravex00000000000"
 
 
 @dataclass
@@ -261,7 +261,9 @@ class ZipLayout:
     that offset modulo 4096 in the file (the archive starts ``base`` bytes into
     it): the page offset its source bytes have, so each write moves whole
     pages (``_engine.page_residue``). A residue that would break the 64-byte
-    alignment is ignored."""
+    alignment is ignored. The archive's own offsets (local headers, central
+    directory) count from its first byte, as when torch.save writes into the
+    middle of a stream (a DCP item); only the positional writes move by ``base``."""
 
     prefix: str
     entries: list[_Entry] = field(default_factory=list)
@@ -282,6 +284,22 @@ class ZipLayout:
         self.entries.append(e)
         return e
 
+    def add_torch_save(self, pickle_bytes: bytes, storages: list[tuple[str, int, int | None]]) -> list[int]:
+        """Add the records torch.save writes, in its order, to an empty layout:
+        ``data.pkl``, the three small records, ``data/<key>`` per storage (key,
+        byte size, residue), ``version``, ``.data/serialization_id``. Returns the
+        indices of the ``data/<key>`` entries."""
+        self.add("data.pkl", len(pickle_bytes), pickle_bytes)
+        for name, data in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
+            self.add(name, len(data), data)
+        first = len(self.entries)
+        for key, size, residue in storages:
+            self.add(f"data/{key}", size, residue=residue)
+        data_entries = list(range(first, len(self.entries)))
+        self.add("version", 2, b"3\n")
+        self.add(".data/serialization_id", len(SERIALIZATION_ID), SERIALIZATION_ID)
+        return data_entries
+
     def _extra(self, e: _Entry) -> bytes:
         pad = e.extra_len - 24
         return struct.pack("<HHQQ", 0x0001, 16, e.size, e.size) + struct.pack("<HH", 0x4246, pad) + b"Z" * pad
@@ -294,16 +312,10 @@ class ZipLayout:
         for e in self.entries:
             if e.data is not None:
                 e.crc = zlib.crc32(e.data)
-                os.pwrite(fd, self._local(e) + e.data, e.header_offset)
+                os.pwrite(fd, self._local(e) + e.data, self.base + e.header_offset)
 
-    def finish(self, fd: int, crcs: dict[int, int]) -> int:
-        """Fill in the executor-written records' headers (``crcs``: entry index ->
-        CRC-32), then the central directory and the end records. Returns the file size."""
-        for i, crc in crcs.items():
-            self.entries[i].crc = crc
-        for e in self.entries:
-            if e.data is None:
-                os.pwrite(fd, self._local(e), e.header_offset)
+    def directory(self) -> bytes:
+        """The central directory and the end records (zip64), placed at ``size``."""
         # fixed timestamps (1980-01-01): the same input gives the same bytes
         dos_time, dos_date = 0, 0x21
         cd = io.BytesIO()
@@ -318,5 +330,21 @@ class ZipLayout:
         tail = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, len(cd_bytes), cd_offset)
         tail += struct.pack("<IIQI", 0x07064B50, 0, eocd64_offset, 1)
         tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
-        os.pwrite(fd, cd_bytes + tail, cd_offset)
-        return cd_offset + len(cd_bytes) + len(tail)
+        return cd_bytes + tail
+
+    @property
+    def total(self) -> int:
+        """The archive's size in bytes, directory included."""
+        return self.size + len(self.directory())
+
+    def finish(self, fd: int, crcs: dict[int, int]) -> int:
+        """Fill in the executor-written records' headers (``crcs``: entry index ->
+        CRC-32), then the central directory and the end records. Returns the archive's size."""
+        for i, crc in crcs.items():
+            self.entries[i].crc = crc
+        for e in self.entries:
+            if e.data is None:
+                os.pwrite(fd, self._local(e), self.base + e.header_offset)
+        directory = self.directory()
+        os.pwrite(fd, directory, self.base + self.size)
+        return self.size + len(directory)

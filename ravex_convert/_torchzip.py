@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ._unpickle import DTYPE_SIZES, Record, StorageRef, TensorRef, max_pickle_bytes, restricted_loads
+from ._dtypes import DTYPE_SIZES, SCALAR_DTYPES, scalar_value
+from ._unpickle import Record, StorageRef, TensorRef, max_pickle_bytes, restricted_loads
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, from_os_error
 
 __all__ = ["TorchArchive", "check_archive", "crc_enabled", "gather_strided", "is_torch_zip", "open_archive", "storages_at", "verify_crcs"]
@@ -122,17 +123,13 @@ class TorchArchive:
 
     def read_scalar(self, t: TensorRef) -> float | int | bool:
         """The value of a one-element tensor (a step counter)."""
-        fmt = {"float32": "<f", "float64": "<d", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h", "int8": "<b", "uint8": "<B", "bool": "<?"}
-        if t.numel != 1 or t.dtype not in fmt and t.dtype != "bfloat16":
+        if t.numel != 1 or t.dtype not in SCALAR_DTYPES:
             raise CorruptCheckpointError(
                 f"{self.where or self.path}: a {t.dtype} tensor of shape {list(t.shape)} where a number (a step) was expected",
                 hint="the file is damaged, or not the kind of checkpoint it looks like; copy it again",
                 path=self.path,
             )
-        raw = self.read_tensor_bytes(t)
-        if t.dtype == "bfloat16":  # the top half of a float32
-            return struct.unpack("<f", b"\x00\x00" + raw)[0]  # type: ignore[no-any-return]
-        return struct.unpack(fmt[t.dtype], raw)[0]  # type: ignore[no-any-return]
+        return scalar_value(t.dtype, self.read_tensor_bytes(t))
 
 
 def check_archive(path: Path) -> None:

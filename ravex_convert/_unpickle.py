@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ._dtypes import DTYPE_SIZES, STORAGE_CLASSES
 from .errors import CorruptCheckpointError, RavexError, UnknownFormatError, UnsafeCheckpointError
 
 __all__ = [
@@ -94,24 +95,9 @@ def _short(value: Any) -> str:
     r.maxlevel, r.maxstring, r.maxother = 3, 60, 60
     return r.repr(value)
 
-# Element sizes in bytes, keyed by the dtype names Ravex uses everywhere
-# (torch's names without the "torch." prefix).
-DTYPE_SIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "complex64": 8, "complex128": 16,
-    "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
-
-# torch's legacy typed-storage classes, as torch.save names them in persistent ids.
-_STORAGE_DTYPES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-    "BoolStorage": "bool", "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128", "UntypedStorage": "uint8",
-    "Float8_e4m3fnStorage": "float8_e4m3fn", "Float8_e5m2Storage": "float8_e5m2",
-}
+# torch's legacy typed-storage classes, as torch.save names them in persistent ids
+# (element sizes and names: the dtype table, _dtypes.py).
+_STORAGE_DTYPES = {storage: name for name, storage in STORAGE_CLASSES.items()} | {"UntypedStorage": "uint8"}
 
 _DTYPE_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32", "short": "int16"}
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._unpickle import DTYPE_SIZES
+from ._dtypes import DTYPE_SIZES
 
-__all__ = ["MODEL", "OBJ", "OPTIM", "Box", "Checkpoint", "Chunk", "Flat", "LogicalTensor", "Region", "TensorLink", "itemsize", "numel"]
+__all__ = ["MODEL", "OBJ", "OPTIM", "Box", "Checkpoint", "Chunk", "Flat", "LogicalTensor", "Region", "TensorLink", "dim0_shards", "itemsize", "numel"]
 
 MODEL = "model/"
 OPTIM = "optim/"
@@ -60,6 +60,22 @@ class Box:
 
     def to_json(self) -> dict[str, Any]:
         return {"box": {"offsets": list(self.offsets), "sizes": list(self.sizes)}}
+
+
+def dim0_shards(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
+    """FSDP2's dim-0 shard of a tensor of dim >= 1 on each rank, as (rank, box),
+    in ``torch.chunk`` sizes: ceil(rows / N) rows each, the remainder on the last
+    rank with data, and an empty box at offset ``rows`` on every rank past it
+    (torch.distributed.tensor's ``_local_shard_size_and_offset``). The one split
+    rule of the writers; each decides what to record of the empty boxes."""
+    rows = shape[0]
+    per = -(-rows // world_size)
+    out: list[tuple[int, Box]] = []
+    for r in range(world_size):
+        start = min(r * per, rows)
+        stop = min(start + per, rows)
+        out.append((r, Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))))
+    return out
 
 
 @dataclass(frozen=True)

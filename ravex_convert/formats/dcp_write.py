@@ -44,11 +44,8 @@ with the same metadata built from torch's own classes.
 
 from __future__ import annotations
 
-import io
 import os
-import struct
 import uuid
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,14 +56,13 @@ from .._layout import PathItem, layout_of, optimizer_tree, place
 from .._output import Options, fsync_dir, fsync_fd, out_dtype, staged
 from .._torchwrite import STORAGE_TYPES, PickleDict, PickleGlobal, PickleObject, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import RavexError
-from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize
+from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, dim0_shards, itemsize
 from .dcp import METADATA
 
 __all__ = ["METADATA_FORMS", "write"]
 
 METADATA_FORMS = ("current", "compat")
 _DCP_VERSION = "1.0.0"  # torch's CURRENT_DCP_VERSION (2.6 to 2.15)
-_SERIALIZATION_ID = b"ravex00000000000"
 
 
 # ---------------------------------------------------------------- the state to write
@@ -180,64 +176,18 @@ def _holds_tensor(v: Any) -> bool:
 # ---------------------------------------------------------------- torch.save items
 
 
-_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # a zip central directory header, as _torchwrite writes it
-
-
 @dataclass
 class _ItemLayout(ZipLayout):
-    """A torch.save archive that starts ``base`` bytes into a ``.distcp`` file.
-
-    The archive's own offsets (local headers, central directory) count from its
-    first byte, as when torch.save writes into the middle of a stream, so
-    ZipLayout's plan is kept and only the positional writes move by ``base``.
-    The central directory and end records follow ZipLayout.finish byte for byte."""
+    """A torch.save archive that starts ``base`` bytes into a ``.distcp`` file
+    (ZipLayout's offsets count from the archive's first byte; its writes move by ``base``)."""
 
     data_entries: list[int] = field(default_factory=list)  # entries whose bytes the executor writes
-
-    def directory(self) -> bytes:
-        cd = io.BytesIO()
-        for e in self.entries:
-            extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.header_offset)
-            cd.write(_CENTRAL.pack(0x02014B50, 45, 45, 0, 0, 0, 0x21, e.crc, 0xFFFFFFFF, 0xFFFFFFFF,
-                                   len(e.name), len(extra), 0, 0, 0, 0, 0xFFFFFFFF) + e.name + extra)
-        cd_bytes = cd.getvalue()
-        n = len(self.entries)
-        tail = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, len(cd_bytes), self.size)
-        tail += struct.pack("<IIQI", 0x07064B50, 0, self.size + len(cd_bytes), 1)
-        tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
-        return cd_bytes + tail
-
-    @property
-    def total(self) -> int:
-        return self.size + len(self.directory())
-
-    def write_small(self, fd: int) -> None:
-        for e in self.entries:
-            if e.data is not None:
-                e.crc = zlib.crc32(e.data)
-                os.pwrite(fd, self._local(e) + e.data, self.base + e.header_offset)
-
-    def finish(self, fd: int, crcs: dict[int, int]) -> int:
-        for i, crc in crcs.items():
-            self.entries[i].crc = crc
-        for i in self.data_entries:
-            e = self.entries[i]
-            os.pwrite(fd, self._local(e), self.base + e.header_offset)
-        os.pwrite(fd, self.directory(), self.base + self.size)
-        return self.total
 
 
 def _archive(pickle_bytes: bytes, data_nbytes: int | None) -> _ItemLayout:
     """The records torch.save writes, in its order; ``data/0`` when the item is a tensor."""
     layout = _ItemLayout("archive")
-    layout.add("data.pkl", len(pickle_bytes), pickle_bytes)
-    for name, data in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
-        layout.add(name, len(data), data)
-    if data_nbytes is not None:
-        layout.data_entries.append(len(layout.entries))
-        layout.add("data/0", data_nbytes)
-    layout.add("version", 2, b"3\n")
-    layout.add(".data/serialization_id", len(_SERIALIZATION_ID), _SERIALIZATION_ID)
+    layout.data_entries = layout.add_torch_save(pickle_bytes, [] if data_nbytes is None else [("0", data_nbytes, None)])
     return layout
 
 
@@ -257,21 +207,18 @@ class _Item:
 
 
 def _dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
-    """FSDP2's dim-0 shards, one per rank, as (rank, box), equal boxes once (the
-    first rank keeps it): ceil(rows / N) rows each, the remainder on the last
-    rank with data, empty boxes at offset ``rows`` past it
-    (torch.distributed.tensor's ``_local_shard_size_and_offset``)."""
-    rows = shape[0]
-    per = -(-rows // world_size)
+    """FSDP2's dim-0 shards (:func:`~ravex_convert.model.dim0_shards`), equal boxes
+    once (the first rank keeps it). Unlike the native store, which records no
+    empty chunk, DCP records the empty box of the ranks past the data, once, at
+    offset ``rows``, as DCP's save planner de-duplicates equal chunks: deliberate,
+    it is what ``dcp.save`` writes from an FSDP2 model."""
     out: list[tuple[int, Box]] = []
     seen: set[int] = set()
-    for r in range(world_size):
-        start = min(r * per, rows)
-        stop = min(start + per, rows)
-        if start in seen:
+    for r, box in dim0_shards(shape, world_size):
+        if box.offsets[0] in seen:
             continue
-        seen.add(start)
-        out.append((r, Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))))
+        seen.add(box.offsets[0])
+        out.append((r, box))
     return out
 
 

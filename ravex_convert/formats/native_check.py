@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from .. import _core
+from .._dtypes import V1_DTYPES
 from .._engine import flat_range
 from .._limits import env_limit, max_chunks_per_tensor
 from .._paths import inside
@@ -39,7 +40,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 # The v1 dtype table (section 11): name -> bytes per element.
-DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+DTYPES = V1_DTYPES
 MAX_INDEX = 99_999_999
 # Limits (section 18). Chunks per tensor: a tensor has at most one chunk per
 # rank that wrote it (FSDP, ZeRO, DCP) or per tensor-parallel piece, so even a

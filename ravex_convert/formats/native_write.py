@@ -36,21 +36,21 @@ from pathlib import Path
 from typing import Any
 
 from .. import _core
+from .._dtypes import SAFETENSORS_CODES as ALL_SAFETENSORS_CODES
+from .._dtypes import V1_DTYPES
 from .._engine import CopyJob, Target, flat_range
 from .._output import Options, fsync_dir, fsync_fd, out_dtype
 from .._tagged import encode
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError, UnsafeCheckpointError
-from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, itemsize, numel
+from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, dim0_shards, itemsize, numel
 from . import native
 from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
 from .native_check import check_manifest, metadata_checksum
 
 __all__ = ["SAFETENSORS_CODES", "prune", "write"]
 
-SAFETENSORS_CODES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-    "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
+# the dtypes a store (format version 1) holds, with the codes its safetensors data files name them by
+SAFETENSORS_CODES = {name: code for name, code in ALL_SAFETENSORS_CODES.items() if name in V1_DTYPES}
 MAX_INDEX = 99_999_999
 CHECKPOINTS = "checkpoints"
 LOCK = "lock"
@@ -348,17 +348,17 @@ class _Out:
 
 
 def _split(name: str, shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
-    """(rank, region) per chunk: dim 0 in ``torch.chunk`` sizes; no chunks for no
-    elements. 0-d tensors and ``obj/`` tensors (state inside objects, such as an
-    RNG state: per process, not sharded) go whole to rank 0, as in the spec's
-    worked example (docs/format.md section 16)."""
+    """(rank, region) per chunk: dim 0 in ``torch.chunk`` sizes (FSDP2's shards,
+    :func:`~ravex_convert.model.dim0_shards`); no chunks for no elements, so the
+    ranks past the data hold none (deliberately unlike DCP, which records their
+    empty box once). 0-d tensors and ``obj/`` tensors (state inside objects, such
+    as an RNG state: per process, not sharded) go whole to rank 0, as in the
+    spec's worked example (docs/format.md section 16)."""
     if numel(shape) == 0:
         return []
     if not shape or world_size == 1 or name.startswith(OBJ):
         return [(0, Box(tuple(0 for _ in shape), shape))]
-    rows = shape[0]
-    per = -(-rows // world_size)
-    return [(r, Box((r * per, *(0 for _ in shape[1:])), (min(per, rows - r * per), *shape[1:]))) for r in range(-(-rows // per))]
+    return [(r, box) for r, box in dim0_shards(shape, world_size) if box.numel]
 
 
 def _check_name(name: str, what: str) -> None:
@@ -418,9 +418,7 @@ def _objects(ckpt: Checkpoint) -> dict[str, Any]:
 def _source(ckpt: Checkpoint) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version  # here: slow to import, needed only here
 
-    from .. import __version__
-
-    versions = {"ravex": __version__, "python": platform.python_version()}
+    versions = {"ravex": _core.__version__, "python": platform.python_version()}
     with contextlib.suppress(PackageNotFoundError):
         versions["torch"] = version("torch")
     src = dict(ckpt.source)

@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from .._dtypes import SAFETENSORS_CODES
 from .._engine import CopyJob, Target
 from .._output import Options, out_dtype, staged
 from .._paths import inside
@@ -29,11 +30,7 @@ from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize, nume
 __all__ = ["DTYPES", "INDEX_NAME", "describe", "read_header", "sniff"]
 
 INDEX_NAME = "model.safetensors.index.json"
-DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
+DTYPES = {code: name for name, code in SAFETENSORS_CODES.items()}  # code -> Ravex dtype name
 _MAX_HEADER = 100 * 1024 * 1024  # the reference library's limit (safetensors' MAX_HEADER_SIZE)
 _MAX_INDEX = 100 * 1024 * 1024
 _AGAIN = "the file is truncated, damaged or was not written by a safetensors writer; copy it again from where it was saved"
@@ -288,7 +285,7 @@ def read(path: Path) -> Checkpoint:
     return ckpt
 
 
-_CODES = {v: k for k, v in DTYPES.items()}
+_CODES = SAFETENSORS_CODES
 
 
 def _plan_shards(tensors: list[LogicalTensor], opts: Options, single: bool) -> list[list[LogicalTensor]]:

@@ -391,16 +391,13 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
     if ckpt.step is not None:
         root.setdefault("step", ckpt.step)
     pickle_bytes = dumps(root)
-    layout.add("data.pkl", len(pickle_bytes), pickle_bytes)
-    for name, data in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
-        layout.add(name, len(data), data)
-    entries = {}
+    records: list[tuple[str, int, int | None]] = []
     for name, s in storages.items():
         t = ckpt.tensors[name]
         found = page_residue(t, t.whole(), s.dtype)  # same page offset as the source: whole-page copies
-        entries[name] = layout.add(f"data/{s.key}", s.numel * itemsize(s.dtype), residue=found[0] if found else None)
-    layout.add("version", 2, b"3\n")
-    layout.add(".data/serialization_id", 16, b"ravex00000000000")
+        records.append((s.key, s.numel * itemsize(s.dtype), found[0] if found else None))
+    data_entries = layout.add_torch_save(pickle_bytes, records)
+    entries = {name: layout.entries[i] for name, i in zip(storages, data_entries, strict=True)}
     job = CopyJob()
     with staged(dst, opts.force) as tmp:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -410,7 +407,6 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
             ti = job.target(tmp)
             for name, t in ckpt.tensors.items():
                 job.add(t, [Target(ti, entries[name].data_offset, t.whole(), storages[name].dtype)])
-            data_entries = [i for i, e in enumerate(layout.entries) if e.data is None]
             job.run(progress=progress, sync=False, threads=opts.threads, crc_ranges=[(ti, layout.entries[i].data_offset, layout.entries[i].size) for i in data_entries])
             crcs = job.crcs
             size = layout.finish(fd, dict(zip(data_entries, crcs)))

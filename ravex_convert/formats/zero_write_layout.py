@@ -219,14 +219,8 @@ class ArchiveOut:
     def layout(self, ckpt: Checkpoint) -> ZipLayout:
         # torch.save's record order and its prefix: the file name without ".pt"
         layout = ZipLayout(Path(self.relpath).name.removesuffix(".pt"))
-        pickle_bytes = dumps(self.root)
-        layout.add("data.pkl", len(pickle_bytes), pickle_bytes)
-        for name, data in ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little")):
-            layout.add(name, len(data), data)
-        for s, residue in zip(self.storages, self.residues(ckpt), strict=True):
-            layout.add(f"data/{s.key}", s.numel * itemsize(s.dtype), residue=residue)
-        layout.add("version", 2, b"3\n")
-        layout.add(".data/serialization_id", 16, b"ravex00000000000")
+        records = [(s.key, s.numel * itemsize(s.dtype), residue) for s, residue in zip(self.storages, self.residues(ckpt), strict=True)]
+        layout.add_torch_save(dumps(self.root), records)
         return layout
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import copy
 import math
-import struct
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._dtypes import scalar_value
 from .._engine import chunk_bytes
 from .._output import FLOAT_DTYPES, Options, _strip
 from .._torchzip import open_archive
@@ -112,11 +112,7 @@ def _scalar_bytes(t: LogicalTensor) -> bytes:
 
 
 def _scalar_value(t: LogicalTensor) -> float:
-    raw = _scalar_bytes(t)
-    if t.dtype == "bfloat16":
-        return float(struct.unpack("<f", b"\0\0" + raw)[0])
-    fmt = {"float32": "<f", "float64": "<d", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h", "int8": "<b", "uint8": "<B", "bool": "<?"}
-    return float(struct.unpack(fmt[t.dtype], raw)[0])
+    return float(scalar_value(t.dtype, _scalar_bytes(t)))
 
 
 def _hyper(ckpt: Checkpoint, g: int, entry: dict[str, Any], given: Sequence[Mapping[str, Any]] | None, adam: bool) -> dict[str, Any]:
