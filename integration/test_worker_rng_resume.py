@@ -7,6 +7,7 @@ equal the uninterrupted run's. Real processes throughout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -108,8 +109,17 @@ def _run(tmp: Path, opts: dict[str, Any], tag: str, env_extra: dict[str, str]) -
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAVEX_") and k != "KILL_AT_STEP"}
     env.update({"OMP_NUM_THREADS": "1", "RAVEX_STORAGE_PATH": str(tmp / f"store-{tag}"), **env_extra})
-    return subprocess.run([sys.executable, "-P", str(script), json.dumps(opts), str(tmp / f"log-{tag}.txt"), str(tmp / f"out-{tag}.json")],
-                          capture_output=True, text=True, env=env, cwd=tmp, timeout=300, check=False)
+    # In a session of its own: when the script SIGKILLs itself its DataLoader workers are orphans,
+    # which are killed with the session (they would keep the pipes open, and this waiting).
+    p = subprocess.Popen([sys.executable, "-P", str(script), json.dumps(opts), str(tmp / f"log-{tag}.txt"), str(tmp / f"out-{tag}.json")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp, start_new_session=True)
+    try:
+        p.wait(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    out, err = p.communicate(timeout=60)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def _losses(tmp: Path, tag: str) -> dict[int, str]:

@@ -24,7 +24,10 @@ Everything here is picklable, for the ``spawn`` and ``forkserver`` start methods
 
 from __future__ import annotations
 
+import os
 import random
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -179,6 +182,30 @@ class Stamped:
         return Stamped(pin_memory(self.batch, *args), self.worker, self.states)  # type: ignore[no-untyped-call]
 
 
+_WATCHING = False
+
+
+def _exit_with_parent() -> None:
+    """In a worker: end it when the training process is gone. torch's own worker notices a
+    dead parent only between batches, and then waits for its queue's feeder thread, which
+    blocks for ever on a full pipe whose reading end the worker itself inherited — after a
+    SIGKILL of the trainer the worker lives on, holding its memory (and the trainer's
+    stdout). Stamped batches are larger, so that pipe fills sooner: Ravex watches."""
+    global _WATCHING
+    if _WATCHING:
+        return
+    _WATCHING = True
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="ravex-parent-watch", daemon=True).start()
+
+
 class StampCollate:
     """``collate_fn`` for persistent workers: the user's collate, then the worker's state."""
 
@@ -190,6 +217,7 @@ class StampCollate:
         info = torch.utils.data.get_worker_info()
         if info is None:
             return out
+        _exit_with_parent()
         return Stamped(out, info.id, worker_states(info.dataset))
 
 

@@ -277,7 +277,7 @@ def test_verifying_a_huge_frame_keeps_memory_bounded(tmp_path: Path) -> None:
              "region": {"box": {"offsets": [0], "sizes": [n]}}, "checksum": f"xxh3-64:{h:016x}"}]}}
         doc["aliases"], doc["objects"] = {}, {}
     edit(s, fn)
-    res = subprocess.run([sys.executable, "-c", MEMORY, str(s)], capture_output=True, text=True, check=False)
+    res = subprocess.run([sys.executable, "-P", "-c", MEMORY, str(s)], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert int(res.stdout) < 400, f"peak RSS {res.stdout.strip()} MiB while verifying a 1 GiB frame"
 
