@@ -159,8 +159,8 @@ class _Unstamp:
     """The iterator of a loader with persistent workers: hands out each batch
     without the worker state it carries, and keeps that state."""
 
-    def __init__(self, inner: Any, st: LoaderState):
-        self._inner, self._st = inner, st
+    def __init__(self, inner: Any, last: dict[int, dict[str, Any]]):
+        self._inner, self._last = inner, last  # worker id -> its states after its latest batch
 
     def __iter__(self) -> _Unstamp:
         return self
@@ -174,7 +174,7 @@ class _Unstamp:
     def __next__(self) -> Any:
         batch = next(self._inner)
         if isinstance(batch, Stamped):
-            self._st.worker_last[batch.worker] = batch.states
+            self._last[batch.worker] = batch.states
             return batch.batch
         return batch
 
@@ -182,7 +182,7 @@ class _Unstamp:
 def unstamped(loader: Any, it: Any) -> Any:
     """``it`` without worker states, for a loader whose persistent workers stamp batches
     (used where Ravex has switched itself off: the batches must still be the user's)."""
-    return _Unstamp(it, LoaderState(loader, -1)) if getattr(loader, "_ravex_stamps", False) else it
+    return _Unstamp(it, {}) if getattr(loader, "_ravex_stamps", False) else it
 
 
 class LoaderState:
@@ -197,7 +197,6 @@ class LoaderState:
         # An IterableDataset has no index sampler to advance: one with its own state_dict() read in
         # this process is saved with the position; any other is replayed from the epoch's start.
         self.replayable = not isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
-        self.warned = False
         odd = unrestorable_generators(loader)
         if odd:
             log.warning("ravex: the DataLoader's sampler draws from %s; Ravex restores torch.Generator objects only, so after a resume "
@@ -277,7 +276,7 @@ class LoaderState:
             object.__setattr__(loader, "_ravex_stamps", True)
         else:
             it = original(loader)
-        return _Unstamp(it, self)
+        return _Unstamp(it, self.worker_last)
 
     def make_iter(self, loader: Any, original: Any, current_rng: torch.Tensor) -> Any:
         """``iter(loader)`` through ``original``, continuing a saved position when one is pending."""
