@@ -201,8 +201,11 @@ def soak(workdir: Path, kills: int, seed: int = 0, max_steps: int | None = None,
             deadline = time.perf_counter() + 600
             while p.poll() is None and len(_logged(log)) - before < wait_steps and time.perf_counter() < deadline:
                 time.sleep(0.005)
-            if p.poll() is None:
-                time.sleep(then)
+            # then a random point of the next step: until its line appears, or `then` seconds
+            # (so a kill never lets a segment run more than wait_steps + 1 steps, however fast they are)
+            until = time.perf_counter() + then
+            while p.poll() is None and len(_logged(log)) - before <= wait_steps and time.perf_counter() < until:
+                time.sleep(0.002)
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 killed = True
