@@ -1,9 +1,6 @@
 """What every writer shares: choosing what goes out (weights only, renamed,
-cast) and putting the result in place atomically.
-
-An output is built under a temporary sibling name and renamed into place only
-when complete, so an interrupted or failed conversion never leaves anything at
-DST that looks like a finished checkpoint.
+cast) and whether to wait for the disk. Putting the result in place atomically
+is the storage layer's (``storage.local``, ``storage.objdir``).
 """
 
 from __future__ import annotations
@@ -11,15 +8,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import RavexError, from_os_error
+from .errors import RavexError
 from .model import MODEL, OBJ, OPTIM, Checkpoint, LogicalTensor
 
-__all__ = ["FLOAT_DTYPES", "Options", "durability", "durable", "fsync_dir", "fsync_fd", "out_dtype", "select", "staged"]
+__all__ = ["FLOAT_DTYPES", "Options", "durability", "durable", "fsync_dir", "fsync_fd", "out_dtype", "select"]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -127,41 +123,3 @@ def fsync_dir(path: Path | str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-@contextlib.contextmanager
-def staged(dst: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary path beside ``dst``; on success move it to ``dst``
-    (replacing an existing one only with ``force``); on failure remove it."""
-    if dst.exists() and not force:
-        raise RavexError(f"{dst}: already exists", hint="pass --force to replace it, or choose another destination", path=dst)
-    parent = dst.parent
-    if not parent.is_dir():
-        raise RavexError(f"{parent}: the destination's directory does not exist", hint="create it first", path=parent)
-    tmp = parent / f".{dst.name}.ravex-tmp-{os.getpid()}"
-    _remove(tmp)
-    try:
-        try:
-            yield tmp
-        except OSError as exc:
-            # ENOSPC, EFBIG, EACCES...: the output cannot be written; say where, and what to do for that errno
-            raise from_os_error(exc, path=dst, writing=True) from None
-        if dst.exists():
-            old = parent / f".{dst.name}.ravex-old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            _remove(old)
-        else:
-            os.replace(tmp, dst)
-        fsync_dir(parent)
-    except BaseException:
-        _remove(tmp)
-        raise

@@ -13,7 +13,6 @@ Two pieces no library provides without torch itself:
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -307,12 +306,19 @@ class ZipLayout:
     def _local(self, e: _Entry) -> bytes:
         return _LOCAL.pack(0x04034B50, 45, 0, 0, 0, 0x21, e.crc, 0xFFFFFFFF, 0xFFFFFFFF, len(e.name), e.extra_len) + e.name + self._extra(e)
 
-    def write_small(self, fd: int) -> None:
-        """Write the records whose bytes Python holds (with their headers)."""
+    def small(self) -> list[tuple[int, bytes]]:
+        """The records whose bytes Python holds, with their headers: (offset in the file, bytes)."""
+        out = []
         for e in self.entries:
             if e.data is not None:
                 e.crc = zlib.crc32(e.data)
-                os.pwrite(fd, self._local(e) + e.data, self.base + e.header_offset)
+                out.append((self.base + e.header_offset, self._local(e) + e.data))
+        return out
+
+    @property
+    def data_ranges(self) -> list[tuple[int, int]]:
+        """(offset in the file, length) of each record the executor fills, in order: whose CRC-32 ``late`` needs."""
+        return [(self.base + e.data_offset, e.size) for e in self.entries if e.data is None]
 
     def directory(self) -> bytes:
         """The central directory and the end records (zip64), placed at ``size``."""
@@ -337,14 +343,15 @@ class ZipLayout:
         """The archive's size in bytes, directory included."""
         return self.size + len(self.directory())
 
-    def finish(self, fd: int, crcs: dict[int, int]) -> int:
-        """Fill in the executor-written records' headers (``crcs``: entry index ->
-        CRC-32), then the central directory and the end records. Returns the archive's size."""
-        for i, crc in crcs.items():
-            self.entries[i].crc = crc
-        for e in self.entries:
-            if e.data is None:
-                os.pwrite(fd, self._local(e), self.base + e.header_offset)
-        directory = self.directory()
-        os.pwrite(fd, directory, self.base + self.size)
-        return self.size + len(directory)
+    def late(self, crcs: list[int]) -> list[tuple[int, bytes]]:
+        """The executor-written records' headers (``crcs``: their CRC-32s, in the order
+        of :attr:`data_ranges`), then the central directory and the end records."""
+        filled = [e for e in self.entries if e.data is None]
+        if len(crcs) != len(filled):
+            raise ValueError(f"{len(crcs)} CRCs for {len(filled)} records")
+        out = []
+        for e, crc in zip(filled, crcs):
+            e.crc = crc
+            out.append((self.base + e.header_offset, self._local(e)))
+        out.append((self.base + self.size, self.directory()))
+        return out

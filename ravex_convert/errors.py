@@ -93,9 +93,9 @@ class FileSystemError(RavexError):
         self.errno = errno
 
 
-# A writer builds DST under ``.<name>.ravex-tmp-<pid>`` beside it (``_output.staged``);
+# A writer builds DST under ``.<name>.ravex-tmp-<token>`` beside it (``storage.local``);
 # messages name DST itself.
-_STAGED = re.compile(r"\.([^/]+)\.ravex-tmp-\d+")
+_STAGED = re.compile(r"\.([^/]+)\.ravex-tmp-[0-9a-f]+")
 
 
 def _shown(path: str) -> str:

@@ -44,22 +44,21 @@ with the same metadata built from torch's own classes.
 
 from __future__ import annotations
 
-import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._engine import CopyJob, Target
 from .._layout import PathItem, layout_of, optimizer_tree, place
-from .._output import Options, fsync_dir, fsync_fd, out_dtype, staged
+from .._output import Options, out_dtype
 from .._torchwrite import STORAGE_TYPES, PickleDict, PickleGlobal, PickleObject, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import RavexError
 from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, dim0_shards, itemsize
+from ..plan import OutFile, WritePlan, run
 from .dcp import METADATA
 
-__all__ = ["METADATA_FORMS", "write"]
+__all__ = ["METADATA_FORMS", "plan_write", "write"]
 
 METADATA_FORMS = ("current", "compat")
 _DCP_VERSION = "1.0.0"  # torch's CURRENT_DCP_VERSION (2.6 to 2.15)
@@ -338,8 +337,8 @@ def _file_name(rank: int) -> str:
 # ---------------------------------------------------------------- writing
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, metadata_form: str = "current") -> dict[str, Any]:
-    """Write ``ckpt`` as a DCP checkpoint directory sharded as FSDP2 shards at
+def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, metadata_form: str = "current") -> WritePlan:
+    """Plan ``ckpt`` as a DCP checkpoint directory sharded as FSDP2 shards at
     ``opts.world_size`` ranks (see the module docstring), built beside ``dst``
     and renamed into place; ``.metadata`` is written last. ``metadata_form``:
     ``"current"`` (torch >= 2.15 reads it) or ``"compat"`` (torch 2.4 and later)."""
@@ -350,47 +349,41 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, m
     plan = _plan(ckpt, opts)
     meta = _metadata(plan, metadata_form)  # before any byte is written: torch's classes must accept it
     ws = plan.world_size
-    with staged(dst, opts.force) as tmp:
-        tmp.mkdir()
-        paths = [tmp / _file_name(r) for r in range(ws)]
-        per_rank: list[list[_Item]] = [[] for _ in range(ws)]
-        for it in plan.items:
-            per_rank[it.rank].append(it)
-        fds: list[int] = []
-        try:
-            for r, path in enumerate(paths):
-                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644))
-                os.ftruncate(fds[r], plan.file_sizes[r])
-                for it in per_rank[r]:
-                    it.layout.base = it.file_offset
-                    it.layout.write_small(fds[r])
-            job = CopyJob()
-            for path in paths:
-                job.target(path)
-            for key, _, value in plan.flat:
-                if isinstance(value, _Leaf):
-                    targets = [Target(it.rank, it.data_offset, it.box, value.dtype) for it in plan.by_key[key] if it.box and it.box.numel]
-                    if targets:
-                        job.add(ckpt.tensors[value.source], targets)
-            with_data = [(r, it) for r in range(len(fds)) for it in per_rank[r] if it.layout.data_entries]
-            job.run(progress=progress, sync=False,
-                    crc_ranges=[(r, it.data_offset, it.layout.entries[it.layout.data_entries[0]].size) for r, it in with_data])
-            crc_of = {id(it): crc for (_, it), crc in zip(with_data, job.crcs)}
-            for r, fd in enumerate(fds):
-                for it in per_rank[r]:
-                    it.layout.finish(fd, {i: crc_of[id(it)] for i in it.layout.data_entries})
-                fsync_fd(fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        # the commit point: data files complete and synced, then .metadata by rename
-        part = tmp / f"{METADATA}.tmp"
-        with open(part, "wb") as f:
-            f.write(meta)
-            f.flush()
-            fsync_fd(f.fileno())
-        os.replace(part, tmp / METADATA)
-        fsync_dir(tmp)
+    files = [OutFile(_file_name(r), plan.file_sizes[r]) for r in range(ws)]
+    for it in plan.items:
+        f = files[it.rank]
+        it.layout.base = it.file_offset
+        f.small += it.layout.small()
+        f.crc_ranges += it.layout.data_ranges
+    for key, _, value in plan.flat:
+        if isinstance(value, _Leaf):
+            for it in plan.by_key[key]:
+                if it.box and it.box.numel:
+                    files[it.rank].fills.append((ckpt.tensors[value.source], it.data_offset, it.box, value.dtype))
+    for r, f in enumerate(files):
+        f.finish = _finisher([it for it in plan.items if it.rank == r])
     total = sum(plan.file_sizes) + len(meta)
-    return {"files": [_file_name(r) for r in range(ws)] + [METADATA], "tensors": len(ckpt.tensors), "keys": len(plan.flat),
-            "items": len(plan.items), "bytes": total, "world_size": ws, "metadata_form": metadata_form}
+    summary = {"files": [_file_name(r) for r in range(ws)] + [METADATA], "tensors": len(ckpt.tensors), "keys": len(plan.flat),
+               "items": len(plan.items), "bytes": total, "world_size": ws, "metadata_form": metadata_form}
+    # the commit point: .metadata, once every data file is complete and durable
+    return WritePlan(True, files, [(METADATA, meta)], summary, threads=opts.threads)
+
+
+def _finisher(items: list[_Item]) -> Callable[[list[int]], list[tuple[int, bytes]]]:
+    """A rank file's late bytes: each item archive's CRC-filled headers and central directory."""
+
+    def finish(crcs: list[int]) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
+        at = 0
+        for it in items:
+            n = len(it.layout.data_ranges)
+            out += it.layout.late(crcs[at:at + n])
+            at += n
+        return out
+
+    return finish
+
+
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, metadata_form: str = "current") -> dict[str, Any]:
+    """:func:`plan_write`, executed and committed."""
+    return run(plan_write(ckpt, dst, opts, metadata_form=metadata_form), dst, force=opts.force, progress=progress)

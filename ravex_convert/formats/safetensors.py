@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from .._dtypes import SAFETENSORS_CODES
-from .._engine import CopyJob, Target
-from .._output import Options, out_dtype, staged
+from .._output import Options, out_dtype
 from .._paths import inside
 from .._strictjson import DuplicateKey, unique_pairs
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize, numel
+from ..plan import OutFile, WritePlan, run
 
 __all__ = ["DTYPES", "INDEX_NAME", "describe", "read_header", "sniff"]
 
@@ -319,7 +319,7 @@ def _header(tensors: list[LogicalTensor], opts: Options, metadata: dict[str, str
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
     """Weights only: ``model/*`` tensors as safetensors. DST ending in
     ``.safetensors`` is one file; otherwise a directory with ``model.safetensors``
     or, with ``max_shard_size``, shards and ``model.safetensors.index.json``.
@@ -340,29 +340,26 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
     shards = _plan_shards(tensors, opts, single)
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    job = CopyJob()
-    total = 0
-    with staged(dst, opts.force) as tmp:
-        if not single:
-            tmp.mkdir()
-        weight_map: dict[str, str] = {}
-        for fname, shard in zip(names, shards):
-            path = tmp if single else tmp / fname
-            head, offsets = _header(shard, opts, metadata)
-            size = len(head) + sum(t.numel * itemsize(out_dtype(t, opts)) for t in shard)
-            with open(path, "wb") as f:
-                f.write(head)
-                f.truncate(size)
-            total += size
-            ti = job.target(path)
-            for t, off in zip(shard, offsets):
-                job.add(t, [Target(ti, len(head) + off, t.whole(), out_dtype(t, opts))])
-                weight_map[t.name[len(MODEL):]] = fname
-        job.run(progress=progress)
-        if n > 1:
-            meta: dict[str, Any] = {"total_size": sum(t.numel * itemsize(out_dtype(t, opts)) for t in tensors)}
-            if aliases:
-                meta["ravex.aliases"] = metadata["ravex.aliases"]
-            index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
-    return {"files": names if not single else [dst.name], "tensors": len(tensors), "bytes": total, "aliases": aliases}
+    files: list[OutFile] = []
+    weight_map: dict[str, str] = {}
+    for fname, shard in zip(names, shards):
+        head, offsets = _header(shard, opts, metadata)
+        f = OutFile("" if single else fname, len(head) + sum(t.numel * itemsize(out_dtype(t, opts)) for t in shard), small=[(0, head)])
+        for t, off in zip(shard, offsets):
+            f.fills.append((t, len(head) + off, t.whole(), out_dtype(t, opts)))
+            weight_map[t.name[len(MODEL):]] = fname
+        files.append(f)
+    commit: list[tuple[str, bytes]] = []
+    if n > 1:
+        meta: dict[str, Any] = {"total_size": sum(t.numel * itemsize(out_dtype(t, opts)) for t in tensors)}
+        if aliases:
+            meta["ravex.aliases"] = metadata["ravex.aliases"]
+        index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+        commit.append((INDEX_NAME, json.dumps(index, indent=2).encode()))  # the index names every shard: it goes last
+    summary = {"files": names if not single else [dst.name], "tensors": len(tensors), "bytes": sum(f.size for f in files), "aliases": aliases}
+    return WritePlan(not single, files, commit, summary, threads=opts.threads)
+
+
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+    """:func:`plan_write`, executed and committed."""
+    return run(plan_write(ckpt, dst, opts), dst, force=opts.force, progress=progress)

@@ -10,15 +10,14 @@ Layouts people actually have (DESIGN.md, "conventions"):
 from __future__ import annotations
 
 import math
-import os
 import struct
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from .._engine import CopyJob, Target, page_residue
+from .._engine import page_residue
 from .._layout import layout_of, optimizer_tree, place
-from .._output import Options, fsync_fd, out_dtype, staged
+from .._output import Options, out_dtype
 from .._paths import inside
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from .._torchzip import TorchArchive, gather_strided, is_torch_zip, open_archive, verify_crcs
@@ -26,6 +25,7 @@ from .._unpickle import TensorRef
 from ..errors import CorruptCheckpointError, LayoutMismatchError, RavexError, UnknownFormatError
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
+from ..plan import OutFile, WritePlan, run
 
 __all__ = ["SUFFIXES", "describe", "find_model_and_optimizer", "sniff"]
 
@@ -354,7 +354,7 @@ def _to_pickle(value: Any, tensors: dict[str, TensorOut]) -> Any:
     return value
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
     """One ``torch.save`` file in the portable layout ``{"model", "optim", ...}``
     (optimizer state keyed by parameter name, as get_state_dict returns it), that
     ``torch.load(weights_only=True)`` reads. Tied names all present, sharing one storage."""
@@ -398,19 +398,11 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> d
         records.append((s.key, s.numel * itemsize(s.dtype), found[0] if found else None))
     data_entries = layout.add_torch_save(pickle_bytes, records)
     entries = {name: layout.entries[i] for name, i in zip(storages, data_entries, strict=True)}
-    job = CopyJob()
-    with staged(dst, opts.force) as tmp:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, layout.size)
-            layout.write_small(fd)
-            ti = job.target(tmp)
-            for name, t in ckpt.tensors.items():
-                job.add(t, [Target(ti, entries[name].data_offset, t.whole(), storages[name].dtype)])
-            job.run(progress=progress, sync=False, threads=opts.threads, crc_ranges=[(ti, layout.entries[i].data_offset, layout.entries[i].size) for i in data_entries])
-            crcs = job.crcs
-            size = layout.finish(fd, dict(zip(data_entries, crcs)))
-            fsync_fd(fd)
-        finally:
-            os.close(fd)
-    return {"files": [dst.name], "tensors": len(ckpt.tensors), "bytes": size}
+    out = OutFile("", layout.size, small=layout.small(), crc_ranges=layout.data_ranges, finish=layout.late)
+    out.fills = [(t, entries[name].data_offset, t.whole(), storages[name].dtype) for name, t in ckpt.tensors.items()]
+    return WritePlan(False, [out], summary={"files": [dst.name], "tensors": len(ckpt.tensors), "bytes": layout.total}, threads=opts.threads)
+
+
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+    """:func:`plan_write`, executed and committed."""
+    return run(plan_write(ckpt, dst, opts), dst, force=opts.force, progress=progress)

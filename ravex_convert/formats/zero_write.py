@@ -40,20 +40,19 @@ importing DeepSpeed (``PickleObject``).
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._output import Options, fsync_dir, fsync_fd, staged
+from .._output import Options
 from .._torchwrite import PickleObject, TensorOut
 from ..errors import RavexError
 from ..model import MODEL, Box, Checkpoint, Flat, TensorLink, itemsize
+from ..plan import OutFile, WritePlan, run
 from . import zero
 from .zero_layout import Piece, stage3_partition
-from .zero_write_layout import ArchiveOut, FlatGroup, Stage3Layout, by_rank, plan_flat_group, plan_stage3, write_archives
+from .zero_write_layout import ArchiveOut, FlatGroup, Stage3Layout, archive_files, by_rank, plan_flat_group, plan_stage3
 from .zero_write_plan import DS_VERSION, PRECISIONS, SUB_GROUP_SIZE, Group, Param, Plan, find, make_plan
 
 __all__ = ["DS_VERSION", "PRECISIONS", "write"]
@@ -267,10 +266,9 @@ def _archives(plan: Plan, ckpt: Checkpoint) -> list[ArchiveOut]:
     return out
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Callable[[int], None] | None = None, *, zero_stage: int,
-          precision: str | None = None, tag: str | None = None, buffers: Collection[str] | None = None,
-          hyperparameters: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    """Write ``ckpt`` as a DeepSpeed ZeRO-``zero_stage`` checkpoint directory for
+def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int, precision: str | None = None, tag: str | None = None,
+               buffers: Collection[str] | None = None, hyperparameters: Sequence[Mapping[str, Any]] | None = None) -> WritePlan:
+    """Plan ``ckpt`` as a DeepSpeed ZeRO-``zero_stage`` checkpoint directory for
     ``opts.world_size`` ranks at ``dst`` (built beside it, renamed into place;
     ``latest`` is written last).
 
@@ -292,21 +290,17 @@ def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Callable[[int], 
     one group with different steps or state, non per-element state)."""
     plan = make_plan(ckpt, opts, zero_stage, precision, tag, buffers, hyperparameters)
     archives = _archives(plan, ckpt)
-    with staged(dst, opts.force) as tmp:
-        tmp.mkdir()
-        (tmp / plan.tag).mkdir()
-        size = write_archives(ckpt, tmp, archives, progress)
-        for script in plan.scripts:
-            shutil.copyfile(script, tmp / script.name)
-        fsync_dir(tmp / plan.tag)
-        # `latest` names the tag DeepSpeed loads: written once everything it names is in place
-        part = tmp / f"{zero.LATEST}.tmp"
-        with open(part, "wb") as f:
-            f.write(plan.tag.encode())
-            f.flush()
-            fsync_fd(f.fileno())
-        os.replace(part, tmp / zero.LATEST)
-        fsync_dir(tmp)
-    files = [zero.LATEST] + [s.name for s in plan.scripts] + [a.relpath for a in archives]
-    return {"files": files, "tensors": len(ckpt.tensors), "bytes": size + len(plan.tag), "world_size": plan.world_size,
-            "zero_stage": plan.stage, "precision": plan.precision, "tag": plan.tag, "notes": plan.notes}
+    files, size = archive_files(ckpt, archives)
+    for script in plan.scripts:  # zero_to_fp32.py and its like, copied as the source has them
+        data = script.read_bytes()
+        files.append(OutFile(script.name, len(data), small=[(0, data)]))
+    names = [zero.LATEST] + [s.name for s in plan.scripts] + [a.relpath for a in archives]
+    summary = {"files": names, "tensors": len(ckpt.tensors), "bytes": size + len(plan.tag), "world_size": plan.world_size,
+               "zero_stage": plan.stage, "precision": plan.precision, "tag": plan.tag, "notes": plan.notes}
+    # `latest` names the tag DeepSpeed loads: written once everything it names is in place
+    return WritePlan(True, files, [(zero.LATEST, plan.tag.encode())], summary, threads=opts.threads)
+
+
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Callable[[int], None] | None = None, **kwargs: Any) -> dict[str, Any]:
+    """:func:`plan_write` (``kwargs``: its options), executed and committed."""
+    return run(plan_write(ckpt, dst, opts, **kwargs), dst, force=opts.force, progress=progress)

@@ -17,7 +17,7 @@ build them (``stage_1_and_2.py`` and ``stage3.py`` ``__init__``), so that what
 
 Files: :class:`ArchiveOut` collects one ``torch.save`` archive (the object to
 pickle, its tensors and which logical-tensor elements fill them) and
-:func:`write_archives` lays every archive out, has the Rust executor copy (and
+:func:`archive_files` lays every archive out for the Rust executor to copy (and
 cast) the bytes in place, then fills in the zip CRCs. Padding is never written:
 the files are created at their final size, so padding reads as zeros.
 """
@@ -25,19 +25,18 @@ the files are created at their final size, so padding reads as zeros.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._engine import PAGE, CopyJob, Target, page_residue, vote_residue
-from .._output import fsync_fd
+from .._engine import PAGE, page_residue, vote_residue
 from .._torchwrite import StorageOut, TensorOut, ZipLayout, dumps
 from ..model import Checkpoint, Region, itemsize, numel
+from ..plan import OutFile
 from .zero_layout import Piece, flat_group_pieces, stage3_partition, stage3_pieces
 
-__all__ = ["ArchiveOut", "FlatGroup", "Stage3Layout", "by_rank", "plan_flat_group", "plan_stage3", "round_robin_order", "write_archives"]
+__all__ = ["ArchiveOut", "FlatGroup", "Stage3Layout", "archive_files", "by_rank", "plan_flat_group", "plan_stage3", "round_robin_order"]
 
 # DeepSpeed 0.19.8: ``nccl_start_alignment_factor`` (2) times the world size.
 _ALIGNMENT_FACTOR = 2
@@ -224,43 +223,21 @@ class ArchiveOut:
         return layout
 
 
-def write_archives(ckpt: Checkpoint, root: Path, archives: list[ArchiveOut], progress: Callable[[int], None] | None = None) -> int:
-    """Write every archive under ``root``: small records by Python, tensor bytes by
-    the Rust executor in one job over all files, then the zip headers. Returns
-    the bytes written (the files' sizes)."""
-    layouts = [a.layout(ckpt) for a in archives]
-    paths = [root / a.relpath for a in archives]
-    fds: list[int] = []
+def archive_files(ckpt: Checkpoint, archives: list[ArchiveOut]) -> tuple[list[OutFile], int]:
+    """Every archive as an output file: small records by Python, tensor bytes by
+    the Rust executor, then the zip headers with the CRC-32s gathered while copying
+    (padding-only records, which nothing copies into, are read back by the job).
+    Returns the files and the bytes they will hold."""
+    files = []
     total = 0
-    try:
-        for path, layout in zip(paths, layouts):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds.append(fd)
-            os.ftruncate(fd, layout.size)
-            layout.write_small(fd)
-        job = CopyJob()
-        for path in paths:
-            job.target(path)
-        targets: dict[str, list[Target]] = {}
-        for fi, (archive, layout) in enumerate(zip(archives, layouts)):
-            first_data = 4  # data/<key> records follow data.pkl and the three small records
-            for f in archive.fills:
-                s = archive.storages[f.storage]
-                entry = layout.entries[first_data + f.storage]
-                targets.setdefault(f.source, []).append(Target(fi, entry.data_offset + f.at * itemsize(s.dtype), f.region, s.dtype))
-        for name, ts in targets.items():
-            job.add(ckpt.tensors[name], ts)
-        # the zip CRC of every tensor record, gathered while copying (padding-only
-        # records, which nothing copies into, are read back by the job)
-        entries = [(fi, i) for fi, layout in enumerate(layouts) for i, e in enumerate(layout.entries) if e.data is None]
-        job.run(progress=progress, sync=False, crc_ranges=[(fi, layouts[fi].entries[i].data_offset, layouts[fi].entries[i].size) for fi, i in entries])
-        crcs: list[dict[int, int]] = [{} for _ in layouts]
-        for (fi, i), crc in zip(entries, job.crcs, strict=True):
-            crcs[fi][i] = crc
-        for fd, layout, of_file in zip(fds, layouts, crcs):
-            total += layout.finish(fd, of_file)
-            fsync_fd(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return total
+    for archive in archives:
+        layout = archive.layout(ckpt)
+        f = OutFile(archive.relpath, layout.size, small=layout.small(), crc_ranges=layout.data_ranges, finish=layout.late)
+        first_data = 4  # data/<key> records follow data.pkl and the three small records
+        for fill in archive.fills:
+            s = archive.storages[fill.storage]
+            entry = layout.entries[first_data + fill.storage]
+            f.fills.append((ckpt.tensors[fill.source], entry.data_offset + fill.at * itemsize(s.dtype), fill.region, s.dtype))
+        total += layout.total
+        files.append(f)
+    return files, total

@@ -1,0 +1,102 @@
+"""`torchrun -m ravex convert|reshard` shares the output's files between the
+processes and commits once: the bytes are those of a one-process run.
+
+Each case converts a bundled fixture twice, once as one process and once as
+two torchrun ranks (gloo on CPU), and compares every file of the two outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import DATA, ravex_bin
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+CASES = {
+    "zero3-to-dcp-ws3": ("zero3_ws2_fp32", ["convert", "--to", "dcp", "--world-size", "3"]),
+    "zero2-to-zero3-ws3": ("zero2_ws2_fp32", ["convert", "--to", "zero", "--zero-stage", "3", "--world-size", "3"]),
+    "zero2-to-sharded-safetensors": ("zero2_ws2_fp32", ["convert", "--to", "safetensors", "--max-shard-size", "20KB"]),
+    "fsdp2-to-torch-save": ("fsdp2_ws2", ["convert", "--to", "torch_save"]),
+    "zero3-reshard-3-to-2": ("zero3_ws3_fp32", ["reshard", "--world-size", "2"]),
+    "fsdp2-to-native-ws3": ("fsdp2_ws2", ["convert", "--to", "native", "--world-size", "3"]),
+}
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+
+
+def _torchrun(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", "ravex", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=cwd, timeout=600, check=False)
+
+
+def _cmd(verb: str, rest: list[str], src: Path, dst: Path) -> list[str]:
+    return [verb, str(src), str(dst), *rest, "--quiet"]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    if root.is_file():
+        return {"": root.read_bytes()}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+_UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _comparable(files: dict[str, bytes]) -> dict[str, bytes]:
+    """What differs between ANY two runs is left out: DCP's ``save_id`` (a fresh
+    uuid per save, as torch writes it) and the times and run ids a native store records."""
+    out = {}
+    for k, v in files.items():
+        if k == ".metadata":
+            assert len(_UUID.findall(v)) == 1
+            v = _UUID.sub(b"-" * 36, v)
+        if k.endswith((".json",)) and (k.endswith("checkpoint.json") or k in ("manifest.json", "ravex-store.json")):
+            doc = json.loads(v)
+            for entry in [doc, *doc.get("checkpoints", [])]:
+                for field in ("created_unix", "run_id", "store_id", "metadata_checksum"):
+                    entry.pop(field, None)
+            v = json.dumps(doc, sort_keys=True).encode()
+        if k != "lock":
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_write_the_bytes_one_process_writes(case: str, tmp_path: Path) -> None:
+    name, args = CASES[case]
+    src = DATA / name / "checkpoint"
+    verb, rest = args[0], args[1:]
+    one, two = tmp_path / "one", tmp_path / "two"
+    res = subprocess.run([ravex_bin(), *_cmd(verb, rest, src, one)], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr
+    res = _torchrun(2, _cmd(verb, rest, src, two), tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    a, b = _comparable(_files(one)), _comparable(_files(two))
+    assert sorted(a) == sorted(b)
+    different = [k for k in a if a[k] != b[k]]
+    assert not different, different
+    assert not [p for p in tmp_path.iterdir() if ".ravex-tmp-" in p.name]
+
+
+def test_a_refusal_on_rank_0_stops_every_rank(tmp_path: Path) -> None:
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep").write_text("mine")
+    res = _torchrun(2, _cmd("convert", ["--to", "dcp"], DATA / "fsdp2_ws2" / "checkpoint", dst), tmp_path)
+    assert res.returncode != 0
+    assert "already exists" in res.stderr and "--force" in res.stderr
+    assert "rank 0 could not begin the output" in res.stderr  # what rank 1 says
+    assert _files(dst) == {"keep": b"mine"}
+    assert not [p for p in tmp_path.iterdir() if ".ravex-tmp-" in p.name]

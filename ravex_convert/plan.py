@@ -1,0 +1,167 @@
+"""Plan -> execute per rank -> commit: how every writer's output is made.
+
+A writer's ``plan_write`` returns a :class:`WritePlan`: the output's data
+objects (:class:`OutFile`: size, the bytes Python knows before the copy, the
+tensor regions the Rust executor copies in, and the bytes that can only be
+computed after, such as zip CRC-32s), and the commit objects a coordinator
+writes last (DCP ``.metadata``, ZeRO ``latest``, a safetensors index).
+
+:func:`run` executes it. The data objects are shared out between the ranks of
+the group by size (largest first, to the least loaded rank); each rank writes
+its own through the storage layer; after every rank reports, rank 0 writes the
+commit objects and publishes the output. In one process that is a loop over
+the objects; under ``torchrun`` the same plan, built by every rank from the
+same source metadata, runs on every rank, and the output is byte-identical.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._dist import current
+from ._engine import CopyJob, Target
+from .errors import RavexError, from_os_error
+from .model import LogicalTensor, Region
+from .storage import resolve
+
+__all__ = ["OutFile", "WritePlan", "assign", "run"]
+
+
+@dataclass
+class OutFile:
+    """One data object of an output."""
+
+    rel: str  # relative to the output ("" for a single-file output)
+    size: int  # bytes, preallocated; ``finish`` may write past it (a zip's central directory)
+    small: list[tuple[int, bytes]] = field(default_factory=list)  # (offset, bytes) written before the copy
+    fills: list[tuple[LogicalTensor, int, Region, str]] = field(default_factory=list)  # tensor, byte offset, region, dtype
+    crc_ranges: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) whose CRC-32 ``finish`` needs
+    finish: Callable[[list[int]], list[tuple[int, bytes]]] | None = None  # CRCs of crc_ranges -> (offset, bytes) written last
+
+
+@dataclass
+class WritePlan:
+    directory: bool  # a directory of objects (else one file at DST)
+    files: list[OutFile]
+    commit: list[tuple[str, bytes]] = field(default_factory=list)  # written in order by the coordinator, last
+    summary: dict[str, Any] = field(default_factory=dict)
+    threads: int = 0
+
+
+def assign(files: list[OutFile], ranks: int) -> list[int]:
+    """The rank that writes each file: largest first, to the least loaded rank
+    (ties to the lower rank), so every rank derives the same assignment."""
+    load = [0] * ranks
+    owner = [0] * len(files)
+    for i in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += files[i].size
+    return owner
+
+
+def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any) -> None:
+    """Write this rank's files: small records, the executor's copy (CRCs gathered
+    on the way), the late records; each sink closed (durable) before returning."""
+    sinks = []
+    try:
+        job = CopyJob()
+        per_tensor: dict[int, tuple[LogicalTensor, list[Target]]] = {}
+        crc_ranges: list[tuple[int, int, int]] = []
+        for f in mine:
+            sink = out.sink(f.rel, f.size)
+            sinks.append(sink)
+            for offset, data in f.small:
+                sink.pwrite(data, offset)
+            ti = job.target(sink.path)
+            for t, offset, region, dtype in f.fills:
+                per_tensor.setdefault(id(t), (t, []))[1].append(Target(ti, offset, region, dtype))
+            crc_ranges += [(ti, off, n) for off, n in f.crc_ranges]
+        for t, targets in per_tensor.values():
+            job.add(t, targets)
+        job.run(progress=progress, sync=False, threads=plan.threads, crc_ranges=crc_ranges or None)
+        at = 0
+        for f, sink in zip(mine, sinks):
+            crcs = job.crcs[at:at + len(f.crc_ranges)]
+            at += len(f.crc_ranges)
+            for offset, data in (f.finish(crcs) if f.finish else []):
+                sink.pwrite(data, offset)
+            sink.close()
+    except BaseException:
+        for s in sinks:
+            s.abort()
+        raise
+
+
+def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, group: Any = None) -> dict[str, Any]:
+    """Execute ``plan`` at ``dst`` on every rank of ``group`` (default: torchrun's, or
+    this process alone) and commit once. Returns the plan's summary (with
+    ``ranks``: how many processes wrote)."""
+    group = group or current()
+    storage, key = resolve(dst)
+    owners = assign(plan.files, group.size)
+    token = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
+    out = None
+    begun: Any = None
+    if group.rank == 0:
+        try:
+            out = storage.output(key, force=force, directory=plan.directory, token=token, create=True)
+            begun = "ok"
+        except RavexError as exc:
+            begun = (exc.message, exc.hint)
+            if group.size == 1:
+                raise
+        except OSError as exc:
+            if group.size == 1:
+                raise from_os_error(exc, path=Path(key), writing=True) from None
+            begun = (str(exc), "check the destination")
+    begun = group.broadcast(begun)
+    if begun != "ok":
+        raise RavexError(f"rank 0 could not begin the output: {begun[0]}", hint=begun[1])
+    if out is None:
+        out = storage.output(key, force=force, directory=plan.directory, token=token, create=False)
+    mine = [f for f, r in zip(plan.files, owners) if r == group.rank]
+    failure: Any = None
+    try:
+        _execute(plan, out, mine, progress)
+    except OSError as exc:
+        failure = from_os_error(exc, path=Path(key), writing=True)
+    except RavexError as exc:
+        failure = exc
+    except BaseException as exc:  # every rank must hear of it before anyone commits
+        if group.size == 1:
+            out.abort()
+            raise
+        failure = RavexError(f"{type(exc).__name__}: {exc}")
+    reports = group.all_gather(None if failure is None else (group.rank, failure.message, failure.hint))
+    failed = [r for r in reports if r is not None]
+    committed: Any = None
+    if group.rank == 0:
+        if failed:
+            out.abort()
+        else:
+            try:
+                out.publish(plan.commit)
+                committed = "ok"
+            except OSError as exc:
+                out.abort()
+                failure = from_os_error(exc, path=Path(key), writing=True)
+                committed = (failure.message, failure.hint)
+            except BaseException as exc:  # every rank must hear of it before anyone commits
+                out.abort()
+                if group.size == 1:
+                    raise
+                committed = (f"{type(exc).__name__}: {exc}", None)
+    committed = group.broadcast(committed)
+    if failure is not None:
+        raise failure
+    if failed:
+        rank, message, hint = failed[0]
+        raise RavexError(f"rank {rank} failed, so nothing was committed: {message}", hint=hint)
+    if committed != "ok":
+        raise RavexError(f"rank 0 could not commit the output: {committed[0]}", hint=committed[1])
+    return {**plan.summary, "ranks": group.size}

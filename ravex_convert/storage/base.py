@@ -1,0 +1,113 @@
+"""What every storage backend offers, and nothing more.
+
+Readers, writers, the runtime and the CLI reach bytes only through these
+calls, so that a backend without POSIX (an object store: no rename, no
+in-place update, no flock) can hold the same checkpoints. The surface is the
+intersection of a local filesystem and an object store:
+
+- ``output(dst)``: a new output (one file, or a directory of objects) under
+  construction. Its objects are written through sinks; it becomes visible at
+  ``dst`` only in ``publish``, whose last step is the backend's atomic commit.
+- a sink: one new object. Positional writes are allowed while it is open (an
+  object store spools them, as a multipart upload assembles parts in any
+  order); once closed it is durable and never changes again.
+- ``put`` / ``get`` with a generation: the conditional put that both backends
+  have (POSIX: write, fsync, rename under a lock; object stores: If-Match /
+  If-None-Match), the only way anything is ever replaced.
+- ``delete``, ``list``, ``exists``, ``local_path``.
+- ``lease``: the one-writer rule (POSIX: flock; object stores: a lease object
+  created with a conditional put).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["ABSENT", "Output", "PreconditionFailed", "Sink", "Storage"]
+
+# `put(..., if_generation=ABSENT)`: only if no object has this key
+ABSENT = -1
+
+
+class PreconditionFailed(Exception):
+    """A conditional put lost: the object is not at the generation the caller read."""
+
+
+class Sink(Protocol):
+    """A new object being written."""
+
+    key: str
+    # A local file the Rust executor may write positionally while the sink is open (a
+    # spool file on an object store); the executor never opens anything else for writing.
+    path: Path
+
+    def pwrite(self, data: bytes, offset: int) -> None: ...
+
+    def close(self) -> None:
+        """Make the object durable (within ``durability``) and final."""
+
+    def abort(self) -> None:
+        """Drop what was written; the object never appears."""
+
+
+class Output(Protocol):
+    """One output at ``dst`` being built: a single object or a directory of them."""
+
+    directory: bool
+
+    def sink(self, rel: str, size: int) -> Sink:
+        """A new object ``rel`` (relative to the output; "" for a single-object output), ``size`` bytes long."""
+
+    def put(self, rel: str, data: bytes) -> None:
+        """A small object, whole."""
+
+    def publish(self, commit: list[tuple[str, bytes]]) -> None:
+        """Write the ``commit`` objects in order (the last one is the format's commit
+        point: DCP's ``.metadata``, ZeRO's ``latest``, an index) once every sink is
+        closed, then make the output visible at ``dst``."""
+
+    def abort(self) -> None:
+        """Remove everything this output wrote."""
+
+
+@dataclass(frozen=True)
+class Stat:
+    size: int
+    generation: int
+
+
+class Storage(Protocol):
+    scheme: str
+
+    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True) -> Output:
+        """Begin (``create``) or join (another rank began it, with the same ``token``) an output at ``dst``."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str) -> list[str]:
+        """Every object key under ``prefix`` (a "directory"), sorted."""
+
+    def stat(self, key: str) -> Stat | None: ...
+
+    def get(self, key: str) -> tuple[bytes, int]:
+        """An object's bytes and generation."""
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes: ...
+
+    def put(self, key: str, data: bytes, *, if_generation: int | None = None) -> int:
+        """Replace (or create) ``key`` atomically; with ``if_generation`` only when the
+        object is at that generation (:data:`ABSENT`: does not exist), else
+        :class:`PreconditionFailed`. Returns the new generation."""
+
+    def delete(self, key: str) -> None: ...
+
+    def local_path(self, key: str) -> Path:
+        """Where a reader may map the object's bytes (read-only)."""
+
+    def lease(self, key: str, holder: str) -> contextlib.AbstractContextManager[None]:
+        """Hold ``key`` as this writer's for the block, or raise :class:`PreconditionFailed`
+        naming the holder."""
+

@@ -1,0 +1,292 @@
+"""A backend with object-store semantics, over a local directory (``objdir://``).
+
+It exists so that no code path can quietly assume POSIX: every writer and
+reader test runs against it as well as against :mod:`.local`. It offers only
+what S3, GCS and Azure Blob offer:
+
+- no rename, no directories (a "directory" is a key prefix), no flock;
+- an object appears whole when its sink closes (a spool file outside the
+  store, uploaded in one put: positional writes only while the sink is open,
+  as a multipart upload takes parts in any order), and never changes after;
+- replacing an object is a whole, conditional put (generation match);
+- a lease is an object created only if absent.
+
+The backing directory holds exactly the objects (``BUCKET/KEY``), so readers map
+them read-only as they map local files: the equivalent of ranged GETs.
+Anything else that writes, renames or locks inside a bucket while an objdir
+output is open is refused by an audit hook, and :meth:`ObjectDirStorage.audit`
+finds objects changed behind the backend's back (the Rust executor is not seen by
+audit hooks; it may only write spool files).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .._output import fsync_fd
+from ..errors import RavexError
+from .base import ABSENT, PreconditionFailed, Stat
+
+__all__ = ["ObjectDirStorage", "SemanticsViolation"]
+
+SCHEME = "objdir://"
+_UPLOADS = ".objdir-uploads"  # where the backend assembles a put before it appears
+
+
+class SemanticsViolation(RuntimeError):
+    """Code above the storage layer did something an object store cannot do."""
+
+
+_inside = threading.local()  # set while the backend itself touches its bucket
+_buckets: set[str] = set()
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def _in_bucket(path: object) -> str | None:
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return None
+    p = os.path.abspath(os.fsdecode(path))
+    for b in _buckets:
+        if p == b or p.startswith(b + os.sep):
+            return p
+    return None
+
+
+def _audit(event: str, args: tuple[object, ...]) -> None:
+    if not _buckets or getattr(_inside, "on", False):
+        return
+    hit = None
+    if event == "open":
+        path, mode, flags = args
+        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & _WRITE_FLAGS)
+        hit = _in_bucket(path) if writing else None
+    elif event in ("os.rename", "os.link", "os.symlink", "os.truncate", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "shutil.move"):
+        hit = next((h for a in args[:2] if (h := _in_bucket(a)) is not None), None)
+    elif event == "fcntl.flock":
+        with contextlib.suppress(OSError, TypeError):
+            hit = _in_bucket(os.readlink(f"/proc/self/fd/{args[0]}"))
+    if hit is not None:
+        raise SemanticsViolation(f"{event} on {hit}: an object store has no such operation; go through ravex_convert.storage")
+
+
+_hooked = False
+
+
+@contextlib.contextmanager
+def _backend() -> Iterator[None]:
+    prev = getattr(_inside, "on", False)
+    _inside.on = True
+    try:
+        yield
+    finally:
+        _inside.on = prev
+
+
+class _SpoolSink:
+    def __init__(self, store: ObjectDirStorage, key: str, size: int, spool: Path):
+        self.key, self._store = key, store
+        self.path = spool
+        with open(spool, "wb") as f:
+            f.truncate(size)
+        self._open = True
+
+    def pwrite(self, data: bytes, offset: int) -> None:
+        if not self._open:
+            raise SemanticsViolation(f"{self.key}: written after its sink closed")
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._store._upload(self.key, self.path)
+            self.path.unlink()
+
+    def abort(self) -> None:
+        self._open = False
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class _Output:
+    def __init__(self, store: ObjectDirStorage, dst: str, force: bool, directory: bool, token: str, create: bool):
+        self.store, self.key, self.directory = store, dst, directory
+        self.spool = Path(tempfile.gettempdir()) / f"ravex-spool-{token}"
+        self._written: list[str] = []
+        self._sinks: list[_SpoolSink] = []
+        if create:
+            old = store.list(dst) if store.exists(dst + "/") else ([dst] if store.exists(dst) else [])
+            if old and not force:
+                raise RavexError(f"{SCHEME}{store.root}/{dst}: already exists", hint="pass --force to replace it, or choose another destination")
+            # No atomic replace of many objects exists: the old output's commit objects go
+            # first, so it stops being a checkpoint before any new object lands.
+            for k in sorted(old, key=lambda k: not k.endswith((".metadata", "latest", ".index.json"))):
+                store.delete(k)
+        self.spool.mkdir(exist_ok=True)
+
+    def _key(self, rel: str) -> str:
+        return f"{self.key}/{rel}" if rel else self.key
+
+    def sink(self, rel: str, size: int) -> _SpoolSink:
+        key = self._key(rel)
+        s = _SpoolSink(self.store, key, size, self.spool / f"{len(self._sinks)}-{os.getpid()}-{threading.get_native_id()}")
+        self._sinks.append(s)
+        self._written.append(key)
+        return s
+
+    def put(self, rel: str, data: bytes) -> None:
+        key = self._key(rel)
+        self.store.put(key, data, if_generation=ABSENT)
+        self._written.append(key)
+
+    def publish(self, commit: list[tuple[str, bytes]]) -> None:
+        for s in self._sinks:
+            if s._open:
+                raise SemanticsViolation(f"{s.key}: still open at commit")
+        for rel, data in commit:
+            self.put(rel, data)
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+    def abort(self) -> None:
+        for s in self._sinks:
+            s.abort()
+        for key in self._written:
+            with contextlib.suppress(FileNotFoundError):
+                self.store.delete(key)
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+
+class ObjectDirStorage:
+    """Objects as files under ``root`` (the bucket); keys are relative, '/'-separated."""
+
+    scheme = "objdir"
+
+    def __init__(self, root: str | Path):
+        global _hooked
+        self.root = os.path.abspath(root)
+        self._gen: dict[str, tuple[int, int]] = {}  # key -> (inode, mtime_ns) as this process put it
+        self._lock = threading.Lock()
+        _buckets.add(self.root)
+        if not _hooked:
+            sys.addaudithook(_audit)
+            _hooked = True
+
+    def _file(self, key: str) -> Path:
+        if not key or key.startswith("/") or any(p in ("", ".", "..") for p in key.rstrip("/").split("/")):
+            raise RavexError(f"{key!r}: not an object key (relative, '/'-separated, no '.' or '..')")
+        return Path(self.root, key)
+
+    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True) -> _Output:
+        return _Output(self, dst, force, directory, token, create)
+
+    def exists(self, key: str) -> bool:
+        if key.endswith("/"):
+            return bool(self.list(key.rstrip("/")))
+        return self._file(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._file(prefix) if prefix else Path(self.root)
+        if not base.is_dir():
+            return []
+        keys = (str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file())
+        return sorted(k for k in keys if not k.startswith(_UPLOADS))
+
+    def stat(self, key: str) -> Stat | None:
+        try:
+            st = self._file(key).stat()
+        except FileNotFoundError:
+            return None
+        return Stat(st.st_size, self._generation(key, st))
+
+    @staticmethod
+    def _generation(key: str, st: os.stat_result) -> int:
+        return st.st_mtime_ns  # each put makes a new file: a new (nanosecond) mtime
+
+    def get(self, key: str) -> tuple[bytes, int]:
+        with open(self._file(key), "rb") as f:
+            return f.read(), self._generation(key, os.fstat(f.fileno()))
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        with open(self._file(key), "rb") as f:
+            return os.pread(f.fileno(), length, offset)
+
+    def _place(self, key: str, write: object) -> int:
+        """The backend's own atomic put (what the object store's server does)."""
+        path = self._file(key)
+        with _backend():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = Path(self.root, _UPLOADS, f"{os.getpid()}-{threading.get_native_id()}")
+            part.parent.mkdir(exist_ok=True)
+            with open(part, "wb") as f:
+                write(f)  # type: ignore[operator]
+                f.flush()
+                fsync_fd(f.fileno())
+            os.replace(part, path)
+            st = path.stat()
+            self._gen[key] = (st.st_ino, st.st_mtime_ns)
+        return st.st_mtime_ns
+
+    def _upload(self, key: str, spool: Path) -> None:
+        with self._lock:
+            if self._file(key).exists():
+                raise PreconditionFailed(f"{key}: exists; an object store does not update objects in place")
+
+            def copy(f: object) -> None:
+                with open(spool, "rb") as src:
+                    shutil.copyfileobj(src, f, 16 << 20)  # type: ignore[arg-type]
+
+            self._place(key, copy)
+
+    def put(self, key: str, data: bytes, *, if_generation: int | None = None) -> int:
+        with self._lock:
+            if if_generation is not None:
+                now = self.stat(key)
+                if (now is None) != (if_generation == ABSENT) or (now is not None and now.generation != if_generation):
+                    raise PreconditionFailed(f"{key}: not at the generation the writer read")
+            return self._place(key, lambda f: f.write(data))
+
+    def delete(self, key: str) -> None:
+        with _backend():
+            self._file(key).unlink()
+            self._gen.pop(key, None)
+
+    def local_path(self, key: str) -> Path:
+        return self._file(key)
+
+    @contextlib.contextmanager
+    def lease(self, key: str, holder: str) -> Iterator[None]:
+        note = json.dumps({"holder": holder, "pid": os.getpid(), "since_unix": time.time()}).encode()
+        try:
+            self.put(key, note, if_generation=ABSENT)
+        except PreconditionFailed:
+            raise PreconditionFailed(self.get(key)[0].decode(errors="replace")) from None
+        try:
+            yield
+        finally:
+            self.delete(key)
+
+    def audit(self) -> builtins.list[str]:
+        """Objects in the bucket that the backend did not put, or that changed since."""
+        bad = []
+        for key in self.list(""):
+            st = self._file(key).stat()
+            g = self._gen.get(key)
+            if g is None or g != (st.st_ino, st.st_mtime_ns):
+                bad.append(key)
+        return bad
+
+    def close(self) -> None:
+        _buckets.discard(self.root)
