@@ -29,6 +29,7 @@ CASES = {
     "fsdp2-to-torch-save": ("fsdp2_ws2", ["convert", "--to", "torch_save"]),
     "zero3-reshard-3-to-2": ("zero3_ws3_fp32", ["reshard", "--world-size", "2"]),
     "fsdp2-to-native-ws3": ("fsdp2_ws2", ["convert", "--to", "native", "--world-size", "3"]),
+    "zero3-to-native-zstd": ("zero3_ws2_bf16", ["convert", "--to", "native", "--world-size", "2", "--compression", "zstd"]),
 }
 
 
@@ -88,6 +89,23 @@ def test_two_ranks_write_the_bytes_one_process_writes(case: str, tmp_path: Path)
     different = [k for k in a if a[k] != b[k]]
     assert not different, different
     assert not [p for p in tmp_path.iterdir() if ".ravex-tmp-" in p.name]
+
+
+def test_a_second_checkpoint_into_a_store_reuses_the_same_chunks_on_two_ranks(tmp_path: Path) -> None:
+    """Rank 0 decides what is reused (the newest checkpoint's unchanged chunks) for every rank."""
+    outs = {}
+    for label, launch in (("one", None), ("two", 2)):
+        store = tmp_path / label
+        for name in ("zero3_ws2_fp32", "zero3_ws2_fp32"):
+            args = _cmd("convert", ["--to", "native", "--world-size", "2"], DATA / name / "checkpoint", store)
+            res = (subprocess.run([ravex_bin(), *args], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600, check=False)
+                   if launch is None else _torchrun(launch, args, tmp_path))
+            assert res.returncode == 0, res.stdout + res.stderr
+        outs[label] = _comparable(_files(store))
+        second = json.loads((store / "checkpoints" / "00000001" / "checkpoint.json").read_text())
+        files = {c["file"] for t in second["tensors"].values() for c in t["chunks"]}
+        assert any(f.startswith("checkpoints/00000000/") for f in files)  # chunks reused from the first
+    assert outs["one"] == outs["two"]  # the same chunks reused, the same written
 
 
 def test_a_refusal_on_rank_0_stops_every_rank(tmp_path: Path) -> None:

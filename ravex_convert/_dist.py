@@ -9,11 +9,14 @@ torch is imported only here, and only when there is more than one process.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Group", "Solo", "current", "launched", "rank"]
+__all__ = ["Group", "Solo", "ambient", "current", "launched", "rank", "spread"]
 
 
 class Solo:
@@ -66,6 +69,24 @@ def launched() -> bool:
 
 
 _joined: Group | None = None
+# The group writers share their output with: this process alone unless a caller
+# (``convert`` under torchrun) says otherwise for the duration of a call.
+_spread: contextvars.ContextVar[Solo | Group | None] = contextvars.ContextVar("ravex_group", default=None)
+
+
+@contextlib.contextmanager
+def spread(group: Solo | Group) -> Iterator[None]:
+    token = _spread.set(group)
+    try:
+        yield
+    finally:
+        _spread.reset(token)
+
+
+def ambient() -> Solo | Group:
+    """The group set by :func:`spread`, else this process alone: a writer called from
+    the runtime's background thread never joins a collective."""
+    return _spread.get() or Solo()
 
 
 def current() -> Solo | Group:

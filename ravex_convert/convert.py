@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _core
+from ._dist import current, spread
 from ._engine import SourceTable, chunk_bytes
 from ._limits import MAX_EXPANSION_ENV, max_expansion
 from ._output import Options, durability, out_dtype, select
@@ -140,7 +141,7 @@ def convert(
                                          hint="a file is truncated or damaged; copy the checkpoint again", path=exc.path or src) from None
         summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "left_out": dropped})
         return summary
-    with durability(sync):
+    with durability(sync), spread(current()):
         result = _write(out, dst, to, opts, progress, zero_stage=zero_stage, precision=precision, buffers=buffers,
                         hyperparameters=hyperparameters, metadata_form=metadata_form)
     result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),

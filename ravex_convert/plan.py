@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._dist import current
+from ._dist import ambient
 from ._engine import CopyJob, Target
 from .errors import RavexError, from_os_error
 from .model import LogicalTensor, Region
@@ -41,15 +41,30 @@ class OutFile:
     fills: list[tuple[LogicalTensor, int, Region, str]] = field(default_factory=list)  # tensor, byte offset, region, dtype
     crc_ranges: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) whose CRC-32 ``finish`` needs
     finish: Callable[[list[int]], list[tuple[int, bytes]]] | None = None  # CRCs of crc_ranges -> (offset, bytes) written last
+    # Copy into a scratch file outside the output instead (``seal`` then writes the object
+    # from it: a compressed file, whose size is known only after compressing).
+    scratch: bool = False
+    # Called with the copied bytes' local file (and the output, to open further sinks) before
+    # the sink closes; what it returns reaches the coordinator's ``commit`` under ``rel``.
+    seal: Callable[[Path, Any], Any] | None = None
+
+
+Commit = list[tuple[str, bytes]] | Callable[[dict[str, Any]], list[tuple[str, bytes]]]
 
 
 @dataclass
 class WritePlan:
     directory: bool  # a directory of objects (else one file at DST)
     files: list[OutFile]
-    commit: list[tuple[str, bytes]] = field(default_factory=list)  # written in order by the coordinator, last
+    # The objects the coordinator writes last, in order, or a function of every file's
+    # ``seal`` result (``{rel: result}``) that returns them.
+    commit: Commit = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     threads: int = 0
+    staging: str | None = None  # the name the output is built under, where a format's spec fixes it (native)
+    # Run by the coordinator once the output is published (native: the manifest, the
+    # store's commit point); it undoes the publication itself if it fails.
+    after: Callable[[dict[str, Any]], None] | None = None
 
 
 def assign(files: list[OutFile], ranks: int) -> list[int]:
@@ -64,16 +79,18 @@ def assign(files: list[OutFile], ranks: int) -> list[int]:
     return owner
 
 
-def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any) -> None:
+def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any) -> dict[str, Any]:
     """Write this rank's files: small records, the executor's copy (CRCs gathered
-    on the way), the late records; each sink closed (durable) before returning."""
+    on the way), the late records, the seal; each sink closed (durable) before
+    returning. Returns each file's seal result."""
     sinks = []
+    results: dict[str, Any] = {}
     try:
         job = CopyJob()
         per_tensor: dict[int, tuple[LogicalTensor, list[Target]]] = {}
         crc_ranges: list[tuple[int, int, int]] = []
         for f in mine:
-            sink = out.sink(f.rel, f.size)
+            sink = out.scratch(f.size) if f.scratch else out.sink(f.rel, f.size)
             sinks.append(sink)
             for offset, data in f.small:
                 sink.pwrite(data, offset)
@@ -90,7 +107,13 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any) -> N
             at += len(f.crc_ranges)
             for offset, data in (f.finish(crcs) if f.finish else []):
                 sink.pwrite(data, offset)
-            sink.close()
+            if f.seal is not None:
+                results[f.rel] = f.seal(sink.path, out)
+            if f.scratch:
+                sink.abort()  # a scratch file is never an object
+            else:
+                sink.close()
+        return results
     except BaseException:
         for s in sinks:
             s.abort()
@@ -98,10 +121,10 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any) -> N
 
 
 def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, group: Any = None) -> dict[str, Any]:
-    """Execute ``plan`` at ``dst`` on every rank of ``group`` (default: torchrun's, or
-    this process alone) and commit once. Returns the plan's summary (with
+    """Execute ``plan`` at ``dst`` on every rank of ``group`` (default: the one
+    :func:`~ravex_convert._dist.spread` set, else this process alone) and commit once. Returns the plan's summary (with
     ``ranks``: how many processes wrote)."""
-    group = group or current()
+    group = group or ambient()
     storage, key = resolve(dst)
     owners = assign(plan.files, group.size)
     token = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
@@ -109,7 +132,7 @@ def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, 
     begun: Any = None
     if group.rank == 0:
         try:
-            out = storage.output(key, force=force, directory=plan.directory, token=token, create=True)
+            out = storage.output(key, force=force, directory=plan.directory, token=token, create=True, staging=plan.staging)
             begun = "ok"
         except RavexError as exc:
             begun = (exc.message, exc.hint)
@@ -123,11 +146,12 @@ def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, 
     if begun != "ok":
         raise RavexError(f"rank 0 could not begin the output: {begun[0]}", hint=begun[1])
     if out is None:
-        out = storage.output(key, force=force, directory=plan.directory, token=token, create=False)
+        out = storage.output(key, force=force, directory=plan.directory, token=token, create=False, staging=plan.staging)
     mine = [f for f, r in zip(plan.files, owners) if r == group.rank]
     failure: Any = None
+    results: dict[str, Any] = {}
     try:
-        _execute(plan, out, mine, progress)
+        results = _execute(plan, out, mine, progress)
     except OSError as exc:
         failure = from_os_error(exc, path=Path(key), writing=True)
     except RavexError as exc:
@@ -137,15 +161,18 @@ def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, 
             out.abort()
             raise
         failure = RavexError(f"{type(exc).__name__}: {exc}")
-    reports = group.all_gather(None if failure is None else (group.rank, failure.message, failure.hint))
-    failed = [r for r in reports if r is not None]
+    reports = group.all_gather((results, None) if failure is None else ({}, (group.rank, failure.message, failure.hint)))
+    failed = [r for _, r in reports if r is not None]
+    sealed = {k: v for part, _ in reports for k, v in part.items()}
     committed: Any = None
     if group.rank == 0:
         if failed:
             out.abort()
         else:
             try:
-                out.publish(plan.commit)
+                out.publish(plan.commit(sealed) if callable(plan.commit) else plan.commit)
+                if plan.after is not None:
+                    plan.after(sealed)
                 committed = "ok"
             except OSError as exc:
                 out.abort()
@@ -164,4 +191,4 @@ def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, 
         raise RavexError(f"rank {rank} failed, so nothing was committed: {message}", hint=hint)
     if committed != "ok":
         raise RavexError(f"rank 0 could not commit the output: {committed[0]}", hint=committed[1])
-    return {**plan.summary, "ranks": group.size}
+    return {**plan.summary, "ranks": group.size, "sealed": sealed}

@@ -316,14 +316,16 @@ from pathlib import Path
 from ravex_convert._output import Options
 from ravex_convert.formats import native_write, torch_save
 where = sys.argv[3]
-real_json, real_manifest = native_write._write_json, native_write._write_manifest
-def die_json(path, *a, **k):
-    if where == "metadata" and path.name == "checkpoint.json":
+from ravex_convert.storage import local
+real_publish = local._StagedOutput.publish
+def die_publish(self, commit):
+    # checkpoint.json is the commit object of the checkpoint directory, written as it is published
+    if where == "metadata" and any(rel == "checkpoint.json" for rel, _ in commit):
         os._exit(9)
-    return real_json(path, *a, **k)
+    return real_publish(self, commit)
 def die_manifest(*a, **k):
     os._exit(9)
-native_write._write_json = die_json
+local._StagedOutput.publish = die_publish
 if where == "manifest":
     native_write._write_manifest = die_manifest
 native_write.write(torch_save.read(Path(sys.argv[1])), Path(sys.argv[2]), Options(world_size=2))

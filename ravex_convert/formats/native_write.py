@@ -36,13 +36,15 @@ from pathlib import Path
 from typing import Any
 
 from .. import _core
+from .._dist import ambient
 from .._dtypes import SAFETENSORS_CODES as ALL_SAFETENSORS_CODES
 from .._dtypes import V1_DTYPES
-from .._engine import CopyJob, Target, flat_range
+from .._engine import flat_range
 from .._output import Options, fsync_dir, fsync_fd, out_dtype
 from .._tagged import encode
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError, UnsafeCheckpointError
 from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, dim0_shards, itemsize, numel
+from ..plan import OutFile, WritePlan, run
 from . import native
 from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
 from .native_check import check_manifest, metadata_checksum
@@ -520,66 +522,51 @@ def _header(outs: list[_Out]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_data(tmp: Path, rel_dir: str, outs: list[_Out], compression: str | None, progress: Callable[[int], None] | None,
-                threads: int = 0) -> list[str]:
-    """Write every chunk without an entry into rank files under ``tmp``; fill in
-    their entries (file, offset, checksum). Returns the data file names."""
+def _data_files(outs: list[_Out], compression: str | None) -> list[OutFile]:
+    """One data file per rank for every chunk without an entry (section 12), each
+    chunk's place set; the seal checksums what was copied (and compresses it:
+    one zstd frame per chunk, memory bounded by one chunk) and returns
+    ``(offsets, stored sizes, checksums, file size)``."""
     by_rank: dict[int, list[_Out]] = {}
     for o in outs:
         if o.entry is None:
             by_rank.setdefault(o.rank, []).append(o)
-    job = CopyJob()
-    targets: dict[str, list[Target]] = {}
-    tensors: dict[str, LogicalTensor] = {}
-    files: dict[Path, list[_Out]] = {}
+    files = []
     for rank, chunks in sorted(by_rank.items()):
-        if compression is None:
-            path, head = tmp / f"rank{rank:05d}.safetensors", _header(chunks)
-        else:
-            path, head = tmp / f"rank{rank:05d}.raw.tmp", b""  # the uncompressed bytes, framed below
-        with open(path, "wb") as f:
-            f.write(head)
-            f.truncate(len(head) + sum(o.nbytes for o in chunks))
-        ti = job.target(path)
+        name = f"rank{rank:05d}.safetensors" if compression is None else f"rank{rank:05d}.zst"
+        head = _header(chunks) if compression is None else b""
         pos = len(head)
         for o in chunks:
-            o.file, o.offset = (path.name if compression is None else f"rank{rank:05d}.zst"), pos
+            o.file, o.offset = name, pos
             pos += o.nbytes
-            targets.setdefault(o.tensor.name, []).append(Target(ti, o.offset, o.region, o.dtype))
-            tensors[o.tensor.name] = o.tensor
-        files[path] = chunks
-    for name, tt in targets.items():
-        job.add(tensors[name], tt)
-    job.run(progress=progress, sync=compression is None, threads=threads)
-    names = []
-    for path, chunks in files.items():
-        sums = _core.checksum_ranges(str(path), [(o.offset, o.nbytes) for o in chunks], "xxh3-64")
-        stored = [o.nbytes for o in chunks]
-        if compression is not None:
-            stored = _compress(path, tmp / chunks[0].file, chunks)
-            path.unlink()
-        names.append(chunks[0].file)
-        for o, h, n in zip(chunks, sums, stored):
-            o.entry = {"file": f"{rel_dir}/{o.file}", "offset": o.offset, "nbytes": o.nbytes, "stored_nbytes": n,
-                       "compression": compression, "region": o.region.to_json(), "checksum": f"xxh3-64:{h:016x}"}
-    return names
+        f = OutFile(name, pos, small=[(0, head)] if head else [], scratch=compression is not None, seal=_sealer(name, chunks, compression))
+        f.fills = [(o.tensor, o.offset, o.region, o.dtype) for o in chunks]
+        files.append(f)
+    return files
 
 
-def _compress(raw: Path, dst: Path, chunks: list[_Out]) -> list[int]:
-    """One independent zstd frame per chunk, appended to ``dst``; memory bounded by one chunk.
-    Sets each chunk's offset to its frame's; returns the frame lengths."""
-    lengths = []
-    pos = 0
-    with open(dst, "wb") as f:
-        for o in chunks:
-            frame = _core.compress_range(str(raw), o.offset, o.nbytes)
-            f.write(frame)
-            o.offset = pos
-            pos += len(frame)
-            lengths.append(len(frame))
-        f.flush()
-        fsync_fd(f.fileno())
-    return lengths
+def _sealer(name: str, chunks: list[_Out], compression: str | None) -> Callable[[Path, Any], Any]:
+    def seal(path: Path, out: Any) -> tuple[list[int], list[int], list[str], int]:
+        sums = [f"xxh3-64:{h:016x}" for h in _core.checksum_ranges(str(path), [(o.offset, o.nbytes) for o in chunks], "xxh3-64")]
+        if compression is None:
+            return [o.offset for o in chunks], [o.nbytes for o in chunks], sums, path.stat().st_size
+        sink = out.sink(name, 0)
+        offsets, lengths = [], []
+        try:
+            pos = 0
+            for o in chunks:
+                frame = _core.compress_range(str(path), o.offset, o.nbytes)
+                sink.pwrite(frame, pos)
+                offsets.append(pos)
+                lengths.append(len(frame))
+                pos += len(frame)
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+        return offsets, lengths, sums, pos
+
+    return seal
 
 
 # ---------------------------------------------------------------- write and prune
@@ -605,13 +592,20 @@ def write(ckpt: Checkpoint, store: Path, opts: Options, *, run_id: str | None = 
     """Append ``ckpt`` to the store at ``store`` as a new checkpoint (creating the
     store in an absent or empty directory) and commit it.
 
+    Under ``torchrun`` (``convert`` spreads the call over the group) rank 0 holds
+    the lock, opens the store and decides the index and which chunks are reused;
+    each rank writes its share of the data files; rank 0 writes checkpoint.json
+    and the manifest once every rank's files are durable.
+
     Returns ``index``, ``dir``, ``step``, ``tensors``, ``bytes`` (logical size),
     ``bytes_written`` (data files written now), ``bytes_reused`` (chunk bytes
     pointing at earlier checkpoints), ``files``, ``run_id`` and ``warnings``.
     Raises :class:`RavexError` subclasses; a failure leaves the store as it was.
     """
     store = Path(store)
-    run_id = uuid.uuid4().hex[:12] if run_id is None else run_id
+    group = ambient()
+    if run_id is None:
+        run_id = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise RavexError(f"run id {run_id!r} is not 1 to 64 letters, digits, '_' or '-'", hint="leave it out to get a fresh one")
     if not isinstance(opts.world_size, int) or opts.world_size < 1:
@@ -621,45 +615,79 @@ def write(ckpt: Checkpoint, store: Path, opts: Options, *, run_id: str | None = 
     outs = _plan(ckpt, opts)
     objects = _objects(ckpt)
     source = _source(ckpt)
-    fresh = not store.exists()
-    try:
-        _prepare_dir(store)
-        if fresh:
-            fsync_dir(store.parent)
-        with _locked(store, run_id):
+    fresh = False
+    with contextlib.ExitStack() as held:
+        decided: Any = None
+        if group.rank == 0:
+            fresh = not store.exists()
             try:
-                if not (store / STORE_MARKER).is_file():
-                    _create(store, run_id)
-                return _commit(ckpt, store, opts, run_id, outs, objects, source, progress)
-            except BaseException:
+                decided = _begin(store, run_id, outs, opts, held)
+            except BaseException as exc:
                 if fresh and not _listed_any(store):
-                    # A store made by this call for a checkpoint that failed: leave nothing behind.
                     shutil.rmtree(store, ignore_errors=True)
-                raise
-    except OSError as exc:
-        raise RavexError(f"{store}: writing the store failed: {exc}", hint=_IO_HINT, path=store) from exc
+                if group.size == 1:
+                    if isinstance(exc, OSError):
+                        raise RavexError(f"{store}: writing the store failed: {exc}", hint=_IO_HINT, path=store) from exc
+                    raise
+                decided = (exc.message, exc.hint) if isinstance(exc, RavexError) else (f"{store}: {exc}", _IO_HINT)
+        decided = group.broadcast(decided)
+        if isinstance(decided, tuple):
+            raise RavexError(f"rank 0 could not open the store: {decided[0]}", hint=decided[1])
+        index, reused_entries, warnings, manifest = decided["index"], decided["entries"], decided["warnings"], decided["manifest"]
+        for o, e in zip(outs, reused_entries, strict=True):
+            o.entry = e
+        try:
+            return _commit(ckpt, store, opts, run_id, outs, objects, source, progress, index, manifest, warnings)
+        except BaseException:
+            if group.rank == 0 and fresh and not _listed_any(store):
+                # A store made by this call for a checkpoint that failed: leave nothing behind.
+                shutil.rmtree(store, ignore_errors=True)
+            raise
 
 
-def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: list[_Out], objects: dict[str, Any],
-            source: dict[str, Any], progress: Callable[[int], None] | None) -> dict[str, Any]:
+def _begin(store: Path, run_id: str, outs: list[_Out], opts: Options, held: contextlib.ExitStack) -> dict[str, Any]:
+    """The coordinator's part before any data: the store made or checked, the lock
+    taken (held until ``held`` closes), the crash cleanup and sweep, the new index,
+    and the chunks reused from the newest loadable checkpoint."""
+    fresh = not store.exists()
+    _prepare_dir(store)
+    if fresh:
+        fsync_dir(store.parent)
+    held.enter_context(_locked(store, run_id))
+    if not (store / STORE_MARKER).is_file():
+        _create(store, run_id)
     manifest, entries, highest, warnings = _open(store, run_id)
     index = max(int(manifest["next_index"]), highest + 1)
     if index > MAX_INDEX:
         raise RavexError(f"{store}: the store has used every checkpoint index (up to {MAX_INDEX})", hint="start a new store", path=store)
     loadable = [e for e in entries if e.problem is None]
     _reuse(store, outs, loadable[-1] if loadable else None, opts.compression)
+    return {"index": index, "entries": [o.entry for o in outs], "warnings": warnings, "manifest": manifest}
+
+
+def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: list[_Out], objects: dict[str, Any],
+            source: dict[str, Any], progress: Callable[[int], None] | None, index: int, manifest: dict[str, Any],
+            warnings: list[str]) -> dict[str, Any]:
+    """Section 3: the data files by every rank, checkpoint.json, the directory renamed, then the manifest."""
     rel_dir = f"{CHECKPOINTS}/{index:08d}"
-    tmp = store / CHECKPOINTS / f"{index:08d}.tmp-{run_id}"
     final = store / rel_dir
     reused = [o for o in outs if o.entry is not None]
-    try:
-        tmp.mkdir()
-        names = _write_data(tmp, rel_dir, outs, opts.compression, progress, opts.threads)
-        bytes_written = sum((tmp / n).stat().st_size for n in names)
-        fsync_dir(tmp)
-        now = time.time()
-        step = ckpt.step if isinstance(ckpt.step, int) and not isinstance(ckpt.step, bool) else None
-        tensors: dict[str, Any] = {name: {"dtype": out_dtype(t, opts), "shape": list(t.shape), "chunks": []} for name, t in ckpt.tensors.items()}
+    files = _data_files(outs, opts.compression)
+    names = [f.rel for f in files]
+    now = time.time()
+    step = ckpt.step if isinstance(ckpt.step, int) and not isinstance(ckpt.step, bool) else None
+    tensors: dict[str, Any] = {name: {"dtype": out_dtype(t, opts), "shape": list(t.shape), "chunks": []} for name, t in ckpt.tensors.items()}
+    logical = sum(numel(tuple(t["shape"])) * itemsize(t["dtype"]) for t in tensors.values())
+    meta = b""
+
+    def commit(sealed: dict[str, Any]) -> list[tuple[str, bytes]]:
+        nonlocal meta
+        for f in files:
+            offsets, stored, sums, _ = sealed[f.rel]
+            mine = [o for o in outs if o.entry is None and o.file == f.rel]
+            for o, off, n, h in zip(mine, offsets, stored, sums, strict=True):
+                o.entry = {"file": f"{rel_dir}/{o.file}", "offset": off, "nbytes": o.nbytes, "stored_nbytes": n,
+                           "compression": opts.compression, "region": o.region.to_json(), "checksum": h}
         for o in outs:
             tensors[o.tensor.name]["chunks"].append(o.entry)
         doc = {
@@ -667,21 +695,25 @@ def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: lis
             "created_unix": now, "world_size": opts.world_size, "source": source, "tensors": tensors,
             "aliases": dict(ckpt.aliases), "objects": objects,
         }
-        meta = _write_json(tmp / CHECKPOINT, doc, tmp / f"{CHECKPOINT}.tmp")
-        fsync_dir(tmp)
-        os.rename(tmp, final)
-        fsync_dir(store / CHECKPOINTS)
-        logical = sum(numel(tuple(t["shape"])) * itemsize(t["dtype"]) for t in tensors.values())
+        meta = (json.dumps(doc, indent=None, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
+        return [(CHECKPOINT, meta)]
+
+    def after(sealed: dict[str, Any]) -> None:
+        """Section 3, step 4: the manifest lists the new checkpoint (its rename is the commit point)."""
         entry = {"index": index, "dir": rel_dir, "step": step, "status": "complete", "created_unix": now, "run_id": run_id,
                  "world_size": opts.world_size, "bytes": logical, "tensors": len(tensors), "metadata_checksum": metadata_checksum(meta)}
-        _write_manifest(store, {**manifest, "next_index": index + 1, "checkpoints": [*manifest["checkpoints"], entry]}, run_id)
-    except BaseException:
-        if not _listed(store, index):
-            for d in (tmp, final):
-                shutil.rmtree(d, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                (store / f"{MANIFEST}.tmp-{run_id}").unlink()
-        raise
+        try:
+            _write_manifest(store, {**manifest, "next_index": index + 1, "checkpoints": [*manifest["checkpoints"], entry]}, run_id)
+        except BaseException:
+            if not _listed(store, index):
+                shutil.rmtree(final, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    (store / f"{MANIFEST}.tmp-{run_id}").unlink()
+            raise
+
+    plan = WritePlan(True, files, commit, threads=opts.threads, staging=f"{index:08d}.tmp-{run_id}", after=after)
+    done = run(plan, final, force=False, progress=progress)
+    bytes_written = sum(r[3] for r in done["sealed"].values())
     return {
         "index": index, "dir": str(final), "step": step, "tensors": len(tensors), "aliases": len(ckpt.aliases), "bytes": logical,
         "bytes_written": bytes_written, "bytes_reused": sum(o.nbytes for o in reused), "chunks_written": len(outs) - len(reused),

@@ -61,6 +61,9 @@ class Output(Protocol):
     def sink(self, rel: str, size: int) -> Sink:
         """A new object ``rel`` (relative to the output; "" for a single-object output), ``size`` bytes long."""
 
+    def scratch(self, size: int) -> Sink:
+        """A temporary local file that never becomes an object (``abort`` it when done)."""
+
     def put(self, rel: str, data: bytes) -> None:
         """A small object, whole."""
 
@@ -82,8 +85,10 @@ class Stat:
 class Storage(Protocol):
     scheme: str
 
-    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True) -> Output:
-        """Begin (``create``) or join (another rank began it, with the same ``token``) an output at ``dst``."""
+    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None) -> Output:
+        """Begin (``create``) or join (another rank began it, with the same ``token``) an output at ``dst``;
+        ``staging``: the name it is built under where a format fixes one (a backend without
+        rename builds it in place, invisible until the format's commit point lists it)."""
 
     def exists(self, key: str) -> bool: ...
 

@@ -64,14 +64,16 @@ class _FileSink:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
 
 
 class _StagedOutput:
     """An output built beside ``dst`` and renamed into place."""
 
-    def __init__(self, dst: Path, force: bool, directory: bool, token: str, create: bool):
-        self.dst, self.force, self.directory = dst, force, directory
-        self.tmp = dst.parent / f".{dst.name}.ravex-tmp-{token}"
+    def __init__(self, dst: Path, force: bool, directory: bool, token: str, create: bool, staging: str | None = None):
+        self.dst, self.force, self.directory, self.token = dst, force, directory, token
+        self.tmp = dst.parent / (staging or f".{dst.name}.ravex-tmp-{token}")
         self._sinks: list[_FileSink] = []
         if not create:
             return
@@ -91,6 +93,12 @@ class _StagedOutput:
 
     def sink(self, rel: str, size: int) -> _FileSink:
         s = _FileSink(self._path(rel), size)
+        self._sinks.append(s)
+        return s
+
+    def scratch(self, size: int) -> _FileSink:
+        """A temporary file inside the staging area that never becomes an object."""
+        s = _FileSink(self.tmp / f".scratch-{len(self._sinks)}-{os.getpid()}", size)
         self._sinks.append(s)
         return s
 
@@ -139,8 +147,8 @@ class LocalStorage:
 
     scheme = "file"
 
-    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True) -> _StagedOutput:
-        return _StagedOutput(Path(dst), force, directory, token, create)
+    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None) -> _StagedOutput:
+        return _StagedOutput(Path(dst), force, directory, token, create, staging)
 
     def exists(self, key: str) -> bool:
         return Path(key).exists()

@@ -147,6 +147,11 @@ class _Output:
         self._written.append(key)
         return s
 
+    def scratch(self, size: int) -> _SpoolSink:
+        s = _SpoolSink(self.store, "", size, self.spool / f"scratch-{len(self._sinks)}-{os.getpid()}-{threading.get_native_id()}")
+        self._sinks.append(s)
+        return s
+
     def put(self, rel: str, data: bytes) -> None:
         key = self._key(rel)
         self.store.put(key, data, if_generation=ABSENT)
@@ -161,9 +166,11 @@ class _Output:
         shutil.rmtree(self.spool, ignore_errors=True)
 
     def abort(self) -> None:
+        """Every object under the output's key goes (other ranks' too: they are all this output's)."""
         for s in self._sinks:
             s.abort()
-        for key in self._written:
+        keys = set(self._written) | set(self.store.list(self.key)) | ({self.key} if self.store.exists(self.key) else set())
+        for key in sorted(keys):
             with contextlib.suppress(FileNotFoundError):
                 self.store.delete(key)
         shutil.rmtree(self.spool, ignore_errors=True)
@@ -189,7 +196,7 @@ class ObjectDirStorage:
             raise RavexError(f"{key!r}: not an object key (relative, '/'-separated, no '.' or '..')")
         return Path(self.root, key)
 
-    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True) -> _Output:
+    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None) -> _Output:
         return _Output(self, dst, force, directory, token, create)
 
     def exists(self, key: str) -> bool:
