@@ -316,16 +316,18 @@ from pathlib import Path
 from ravex_convert._output import Options
 from ravex_convert.formats import native_write, torch_save
 where = sys.argv[3]
-from ravex_convert.storage import local
-real_publish = local._StagedOutput.publish
-def die_publish(self, commit):
-    # checkpoint.json is the commit object of the checkpoint directory, written as it is published
-    if where == "metadata" and any(rel == "checkpoint.json" for rel, _ in commit):
-        os._exit(9)
-    return real_publish(self, commit)
+from ravex_convert.storage import local, objdir
+def dying(real):
+    def publish(self, commit):
+        # checkpoint.json is the commit object of the checkpoint directory, written as it is published
+        if where == "metadata" and any(rel == "checkpoint.json" for rel, _ in commit):
+            os._exit(9)
+        return real(self, commit)
+    return publish
 def die_manifest(*a, **k):
     os._exit(9)
-local._StagedOutput.publish = die_publish
+local._StagedOutput.publish = dying(local._StagedOutput.publish)  # whichever backend RAVEX_STORAGE picks
+objdir._Output.publish = dying(objdir._Output.publish)
 if where == "manifest":
     native_write._write_manifest = die_manifest
 native_write.write(torch_save.read(Path(sys.argv[1])), Path(sys.argv[2]), Options(world_size=2))
@@ -346,7 +348,9 @@ def test_hard_crash_leaves_the_previous_checkpoint_and_garbage_the_next_write_cl
     # killed before the manifest: a numbered directory the manifest does not list; killed before
     # checkpoint.json: a temporary one (the second writer swept the first's leftovers)
     assert left[0] == ["00000000", "00000001"]
-    assert left[1][0] == "00000000" and re.fullmatch(r"00000002\.tmp-[0-9a-f]{12}", left[1][1]) and len(left[1]) == 2, left
+    # (a backend without rename, RAVEX_STORAGE=objdir, writes it under its final name: as unlisted, as swept)
+    staged = r"00000002" if os.environ.get("RAVEX_STORAGE") == "objdir" else r"00000002\.tmp-[0-9a-f]{12}"
+    assert left[1][0] == "00000000" and re.fullmatch(staged, left[1][1]) and len(left[1]) == 2, left
     assert sorted(os.listdir(store / "checkpoints" / left[1][1])) == ["rank00000.safetensors", "rank00001.safetensors"]
     assert native.resolve(store, -1)[0]["index"] == 0
     done = native_write.write(torch_save.read(pt_files["b"]), store, Options())

@@ -45,6 +45,7 @@ from .._tagged import encode
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError, UnsafeCheckpointError
 from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, dim0_shards, itemsize, numel
 from ..plan import OutFile, WritePlan, run
+from ..storage import is_objdir
 from . import native
 from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
 from .native_check import check_manifest, metadata_checksum
@@ -602,6 +603,10 @@ def write(ckpt: Checkpoint, store: Path, opts: Options, *, run_id: str | None = 
     pointing at earlier checkpoints), ``files``, ``run_id`` and ``warnings``.
     Raises :class:`RavexError` subclasses; a failure leaves the store as it was.
     """
+    if is_objdir(store):
+        raise RavexError(f"{store}: a Ravex store cannot live on object storage yet: its lock, manifest and sweep still use flock "
+                         "and rename (its checkpoint data already goes through the storage layer)",
+                         hint="write the store to a local or shared filesystem; convert it to dcp or safetensors for a bucket")
     store = Path(store)
     group = ambient()
     if run_id is None:

@@ -1,9 +1,12 @@
 """The storage layer: every byte Ravex reads or writes goes through one of these.
 
 ``resolve(dst)`` picks the backend from the destination's spelling: a plain
-path is the local filesystem (:mod:`.local`); ``objdir://PATH`` is the test
-backend with object-store semantics (:mod:`.objdir`), whose bucket is PATH's
-parent directory. See :mod:`.base` for the surface.
+path is the local filesystem (:mod:`.local`); ``objdir:PATH`` (or the URL form
+``objdir:///abs/path``) is the test backend with object-store semantics
+(:mod:`.objdir`), whose bucket is PATH's parent directory. With ``RAVEX_STORAGE=objdir`` in the environment every plain
+path goes through the objdir backend too: the test suite runs the writers'
+tests that way, so that no writer can quietly depend on rename, in-place
+updates or flock. See :mod:`.base` for the surface.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from pathlib import Path
 from .base import ABSENT, Output, PreconditionFailed, Sink, Stat, Storage
 from .local import LocalStorage, remove_tree
 
-__all__ = ["ABSENT", "LocalStorage", "Output", "PreconditionFailed", "Sink", "Stat", "Storage", "local_view", "remove_tree", "resolve"]
+__all__ = ["ABSENT", "LocalStorage", "Output", "PreconditionFailed", "Sink", "Stat", "Storage", "is_objdir", "local_view", "remove_tree", "resolve"]
 
-_OBJDIR = "objdir://"
+_OBJDIR = "objdir:"
 _buckets: dict[str, Storage] = {}
 
 
@@ -24,14 +27,22 @@ def resolve(dst: str | Path) -> tuple[Storage, str]:
     """(backend, key) for a destination."""
     text = os.fspath(dst)
     if not text.startswith(_OBJDIR):
-        return LocalStorage(), text
+        if os.environ.get("RAVEX_STORAGE", "local") != "objdir":
+            return LocalStorage(), text
+        text = _OBJDIR + text
     from .objdir import ObjectDirStorage
 
-    path = os.path.abspath(text[len(_OBJDIR):])
+    rest = text[len(_OBJDIR):]
+    path = os.path.abspath(rest.removeprefix("//"))  # pathlib folds "objdir://x" to "objdir:/x"
     root, key = os.path.dirname(path), os.path.basename(path)
     if root not in _buckets:
         _buckets[root] = ObjectDirStorage(root)
     return _buckets[root], key
+
+
+def is_objdir(dst: str | Path) -> bool:
+    """Whether ``dst`` is spelled as an objdir destination (not: routed there by RAVEX_STORAGE)."""
+    return os.fspath(dst).startswith(_OBJDIR)
 
 
 def local_view(src: str | Path) -> Path:

@@ -14,7 +14,7 @@ what S3, GCS and Azure Blob offer:
 The backing directory holds exactly the objects (``BUCKET/KEY``), so readers map
 them read-only as they map local files: the equivalent of ranged GETs.
 Anything else that writes, renames or locks inside a bucket while an objdir
-output is open is refused by an audit hook, and :meth:`ObjectDirStorage.audit`
+output is open there is refused by an audit hook (:class:`SemanticsViolation`), and :meth:`ObjectDirStorage.audit`
 finds objects changed behind the backend's back (the Rust executor is not seen by
 audit hooks; it may only write spool files).
 """
@@ -40,7 +40,7 @@ from .base import ABSENT, PreconditionFailed, Stat
 __all__ = ["ObjectDirStorage", "SemanticsViolation"]
 
 SCHEME = "objdir://"
-_UPLOADS = ".objdir-uploads"  # where the backend assembles a put before it appears
+_UPLOADS = ".objdir-part-"  # in the name of a put being assembled, before it appears
 
 
 class SemanticsViolation(RuntimeError):
@@ -48,7 +48,7 @@ class SemanticsViolation(RuntimeError):
 
 
 _inside = threading.local()  # set while the backend itself touches its bucket
-_buckets: set[str] = set()
+_buckets: dict[str, int] = {}  # bucket root -> outputs open in it (the audit hook watches those buckets)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -127,15 +127,35 @@ class _Output:
         self.spool = Path(tempfile.gettempdir()) / f"ravex-spool-{token}"
         self._written: list[str] = []
         self._sinks: list[_SpoolSink] = []
+        self._watch()
         if create:
+            if not os.path.isdir(store.root):
+                raise RavexError(f"{store.root}: the destination's bucket (directory) does not exist", hint="create it first", path=store.root)
             old = store.list(dst) if store.exists(dst + "/") else ([dst] if store.exists(dst) else [])
-            if old and not force:
+            # something at the key, even an empty "folder" (a directory here), is there already
+            if (old or store.local_path(dst).exists()) and not force:
                 raise RavexError(f"{SCHEME}{store.root}/{dst}: already exists", hint="pass --force to replace it, or choose another destination")
             # No atomic replace of many objects exists: the old output's commit objects go
             # first, so it stops being a checkpoint before any new object lands.
             for k in sorted(old, key=lambda k: not k.endswith((".metadata", "latest", ".index.json"))):
                 store.delete(k)
+            if not old and store.local_path(dst).is_dir():
+                with _backend():
+                    store.local_path(dst).rmdir()  # an empty folder marker
         self.spool.mkdir(exist_ok=True)
+
+    def _watch(self) -> None:
+        _buckets[self.store.root] = _buckets.get(self.store.root, 0) + 1
+        self._watching = True
+
+    def _unwatch(self) -> None:
+        if getattr(self, "_watching", False):
+            self._watching = False
+            n = _buckets.get(self.store.root, 1) - 1
+            if n:
+                _buckets[self.store.root] = n
+            else:
+                _buckets.pop(self.store.root, None)
 
     def _key(self, rel: str) -> str:
         return f"{self.key}/{rel}" if rel else self.key
@@ -164,6 +184,7 @@ class _Output:
         for rel, data in commit:
             self.put(rel, data)
         shutil.rmtree(self.spool, ignore_errors=True)
+        self._unwatch()
 
     def abort(self) -> None:
         """Every object under the output's key goes (other ranks' too: they are all this output's)."""
@@ -174,6 +195,7 @@ class _Output:
             with contextlib.suppress(FileNotFoundError):
                 self.store.delete(key)
         shutil.rmtree(self.spool, ignore_errors=True)
+        self._unwatch()
 
 
 class ObjectDirStorage:
@@ -186,7 +208,6 @@ class ObjectDirStorage:
         self.root = os.path.abspath(root)
         self._gen: dict[str, tuple[int, int]] = {}  # key -> (inode, mtime_ns) as this process put it
         self._lock = threading.Lock()
-        _buckets.add(self.root)
         if not _hooked:
             sys.addaudithook(_audit)
             _hooked = True
@@ -209,7 +230,7 @@ class ObjectDirStorage:
         if not base.is_dir():
             return []
         keys = (str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file())
-        return sorted(k for k in keys if not k.startswith(_UPLOADS))
+        return sorted(k for k in keys if _UPLOADS not in k)
 
     def stat(self, key: str) -> Stat | None:
         try:
@@ -235,8 +256,7 @@ class ObjectDirStorage:
         path = self._file(key)
         with _backend():
             path.parent.mkdir(parents=True, exist_ok=True)
-            part = Path(self.root, _UPLOADS, f"{os.getpid()}-{threading.get_native_id()}")
-            part.parent.mkdir(exist_ok=True)
+            part = path.parent / f".{path.name}{_UPLOADS}{os.getpid()}-{threading.get_native_id()}"
             with open(part, "wb") as f:
                 write(f)  # type: ignore[operator]
                 f.flush()
@@ -294,6 +314,3 @@ class ObjectDirStorage:
             if g is None or g != (st.st_ino, st.st_mtime_ns):
                 bad.append(key)
         return bad
-
-    def close(self) -> None:
-        _buckets.discard(self.root)

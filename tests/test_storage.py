@@ -1,0 +1,133 @@
+"""The storage layer's two backends keep their promises.
+
+``objdir`` must behave like an object store (no rename, no in-place update,
+objects whole or absent, conditional puts, leases) and refuse any code that
+treats its bucket as a POSIX directory; ``local`` must keep today's behaviour.
+The writers' own tests run against both (``RAVEX_STORAGE=objdir``, scripts/test.sh).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import DATA
+
+from ravex_convert import convert, read_checkpoint
+from ravex_convert.errors import RavexError
+from ravex_convert.storage import ABSENT, LocalStorage, PreconditionFailed, resolve
+from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation
+
+
+@pytest.fixture
+def bucket(tmp_path: Path) -> ObjectDirStorage:
+    root = tmp_path / "bucket"
+    root.mkdir()
+    return ObjectDirStorage(root)
+
+
+def test_an_object_appears_whole_when_its_sink_closes_and_never_changes(bucket: ObjectDirStorage) -> None:
+    out = bucket.output("ck", force=False, directory=True, token="t1")
+    sink = out.sink("a.bin", 8)
+    sink.pwrite(b"4567", 4)
+    sink.pwrite(b"0123", 0)
+    assert not bucket.exists("ck/a.bin")  # spooled: nothing visible yet
+    sink.close()
+    assert bucket.get("ck/a.bin")[0] == b"01234567"
+    with pytest.raises(SemanticsViolation):
+        sink.pwrite(b"x", 0)
+    again = out.sink("a.bin", 1)
+    with pytest.raises(PreconditionFailed, match="does not update objects in place"):
+        again.close()
+    out.publish([("commit", b"done")])
+    assert bucket.list("ck") == ["ck/a.bin", "ck/commit"]
+    assert bucket.audit() == []
+
+
+def test_conditional_put_and_lease(bucket: ObjectDirStorage) -> None:
+    g1 = bucket.put("m.json", b"1", if_generation=ABSENT)
+    with pytest.raises(PreconditionFailed):
+        bucket.put("m.json", b"x", if_generation=ABSENT)
+    g2 = bucket.put("m.json", b"2", if_generation=g1)
+    with pytest.raises(PreconditionFailed):
+        bucket.put("m.json", b"3", if_generation=g1)  # a writer that read the old one loses
+    assert bucket.get("m.json") == (b"2", g2)
+    with bucket.lease("lock", "run a"), pytest.raises(PreconditionFailed, match="run a"), bucket.lease("lock", "run b"):
+        pass
+    with bucket.lease("lock", "run b"):
+        pass
+
+
+def test_posix_calls_inside_a_bucket_with_an_open_output_are_refused(bucket: ObjectDirStorage) -> None:
+    root = Path(bucket.root)
+    (root / "x").write_bytes(b"old")  # no output open: the bucket is just a directory
+    out = bucket.output("ck", force=False, directory=True, token="t2")
+    for attempt in (lambda: os.replace(root / "x", root / "y"), lambda: open(root / "x", "r+b"),  # noqa: SIM115 - it must not open at all
+                    lambda: os.open(root / "ck-new", os.O_WRONLY | os.O_CREAT), lambda: os.remove(root / "x"), lambda: os.mkdir(root / "d")):
+        with pytest.raises(SemanticsViolation, match="an object store has no such operation"):
+            attempt()
+    assert (root / "x").read_bytes() == b"old"  # reading is fine
+    out.abort()
+    os.replace(root / "x", root / "y")  # closed again: the hook watches open outputs only
+
+
+def test_audit_finds_objects_changed_behind_the_backends_back(bucket: ObjectDirStorage) -> None:
+    bucket.put("k", b"v")
+    subprocess.run(["sh", "-c", f"printf w >> '{bucket.root}/k'; printf n > '{bucket.root}/new'"], check=True)  # audit hooks do not see this
+    assert bucket.audit() == ["k", "new"]
+
+
+def test_a_failed_output_leaves_no_object(tmp_path: Path, bucket: ObjectDirStorage) -> None:
+    out = bucket.output("ck", force=False, directory=True, token="t3")
+    s = out.sink("a", 4)
+    s.close()
+    out.put("b", b"b")
+    out.abort()
+    assert bucket.list("") == []
+    assert not any(p.name.startswith("ravex-spool-t3") for p in Path(os.environ.get("TMPDIR", "/tmp")).iterdir())
+
+
+def test_replacing_drops_the_old_commit_object_first(bucket: ObjectDirStorage) -> None:
+    first = bucket.output("ck", force=False, directory=True, token="t4")
+    first.put("__0_0.distcp", b"old")
+    first.publish([(".metadata", b"m")])
+    with pytest.raises(RavexError, match="already exists"):
+        bucket.output("ck", force=False, directory=True, token="t5")
+    second = bucket.output("ck", force=True, directory=True, token="t6")
+    assert bucket.list("ck") == []  # the old output stopped being a checkpoint before anything new landed
+    second.abort()
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch_save", "dcp", "zero"])
+def test_objdir_outputs_are_byte_identical_to_local_ones(tmp_path: Path, to: str) -> None:
+    src = DATA / "zero3_ws2_fp32" / "checkpoint"
+    (tmp_path / "bucket").mkdir()
+    extra = {"zero_stage": 3, "world_size": 3} if to == "zero" else {"world_size": 2} if to in ("dcp", "native") else {}
+    local, remote = tmp_path / "local", f"objdir://{tmp_path}/bucket/out{'.pt' if to == 'torch_save' else ''}"
+    convert(src, local, to, **extra)
+    convert(src, remote, to, **extra)
+    storage, key = resolve(remote)
+    assert isinstance(storage, ObjectDirStorage) and storage.audit() == []
+    a = {str(p.relative_to(local)): p.read_bytes() for p in sorted(local.rglob("*")) if p.is_file()} if local.is_dir() else {"": local.read_bytes()}
+    b = {k[len(key) + 1:]: storage.get(k)[0] for k in storage.list(key)} if storage.list(key) else {"": storage.get(key)[0]}
+    if to == "dcp":  # a fresh save_id per save, as torch writes it
+        a.pop(".metadata"), b.pop(".metadata")
+    assert a == b and a
+    back = read_checkpoint(storage.local_path(key))  # read back through the bucket's objects
+    assert sorted(back.tensors) == sorted(read_checkpoint(local).tensors)
+
+
+def test_a_native_store_on_object_storage_is_refused_for_now(tmp_path: Path) -> None:
+    (tmp_path / "bucket").mkdir()
+    with pytest.raises(RavexError, match="cannot live on object storage yet"):
+        convert(DATA / "zero3_ws2_fp32" / "checkpoint", f"objdir://{tmp_path}/bucket/store", "native")
+    assert not list((tmp_path / "bucket").iterdir())
+
+
+def test_local_is_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAVEX_STORAGE", raising=False)
+    assert isinstance(resolve(tmp_path / "x")[0], LocalStorage)
+    monkeypatch.setenv("RAVEX_STORAGE", "objdir")
+    assert isinstance(resolve(tmp_path / "x")[0], ObjectDirStorage)
