@@ -77,7 +77,7 @@ def plan_runs(
 
 def execute(
     sources: Sequence[str | bytes | memoryview],
-    targets: Sequence[str],
+    targets: Sequence[str | bytearray | memoryview],
     tensors: Sequence[_Tensor],
     threads: int = 0,
     window_bytes: int = 67108864,
@@ -94,9 +94,11 @@ def execute(
     ``sources`` are files (mapped read-only), ``bytes`` or other C-contiguous
     byte buffers (a ``memoryview``; it must not change during the call),
     read where they are without the GIL; a source chunk's
-    file index points into them, a target chunk's into ``targets``. Targets
-    must exist at their final size: nothing is created or truncated, only the
-    target chunks' bytes are written (positional writes), each exactly once.
+    file index points into them, a target chunk's into ``targets``. A target
+    is a file that exists at its final size (nothing is created or truncated)
+    or a writable C-contiguous byte buffer (a ``bytearray``, a ``memoryview``
+    of a live tensor's bytes; nothing else may use it during the call); only
+    the target chunks' bytes are written (positional writes), each exactly once.
     Where a target chunk's dtype differs from its source's, floats are cast
     (float32/float64/float16/bfloat16, round to nearest even, as torch does);
     any other dtype change is refused. Runs on ``threads`` threads (0: one per
@@ -115,7 +117,7 @@ def execute(
 
 def plan_summary(
     sources: Sequence[str | bytes | memoryview],
-    targets: Sequence[str],
+    targets: Sequence[str | bytearray | memoryview],
     tensors: Sequence[_Tensor],
     threads: int = 0,
     window_bytes: int = 67108864,

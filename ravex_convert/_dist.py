@@ -9,6 +9,7 @@ torch is imported only here, and only when there is more than one process.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import os
@@ -16,7 +17,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Group", "Solo", "ambient", "current", "launched", "rank", "spread"]
+__all__ = ["Group", "Solo", "ambient", "current", "launched", "local_size", "rank", "spread"]
 
 
 class Solo:
@@ -99,8 +100,19 @@ def current() -> Solo | Group:
     if launched():
         if _joined is None:
             _joined = Group()
+            # a gloo group left to the interpreter's teardown aborts the process ("terminate
+            # called without an active exception"): end it first
+            atexit.register(_joined.close)
         return _joined
     return Solo()
+
+
+def local_size() -> int:
+    """How many ranks share this machine (torchrun's LOCAL_WORLD_SIZE; 1 alone)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if launched() else 1
+    except ValueError:
+        return 1
 
 
 def rank() -> int:

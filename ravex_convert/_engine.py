@@ -21,7 +21,7 @@ from ._output import durable, fsync_dir
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
 
-__all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "chunk_bytes", "core_region", "flat_range", "page_residue", "source_bytes", "vote_residue"]
+__all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "chunk_bytes", "core_region", "flat_range", "page_residue", "read_into", "source_bytes", "vote_residue"]
 
 
 def core_region(region: Region) -> tuple[Any, ...]:
@@ -156,7 +156,7 @@ class SourceTable:
 @dataclass
 class CopyJob:
     table: SourceTable = field(default_factory=lambda: SourceTable(defer=True))
-    targets: list[str] = field(default_factory=list)
+    targets: list[str | bytearray | memoryview] = field(default_factory=list)  # files, or memory (a live tensor's bytes)
     tensors: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = field(default_factory=list)
     crcs: list[int] = field(default_factory=list)  # of crc_ranges, after run()
     names: list[str] = field(default_factory=list)  # each tensor's logical name, for messages
@@ -165,8 +165,9 @@ class CopyJob:
     def sources(self) -> list[str | bytes | memoryview]:
         return self.table.sources
 
-    def target(self, path: Path) -> int:
-        self.targets.append(str(path))
+    def target(self, where: Path | bytearray | memoryview) -> int:
+        """A target: a file that exists at its final size, or writable memory (C-contiguous bytes)."""
+        self.targets.append(where if isinstance(where, (bytearray, memoryview)) else str(where))
         return len(self.targets) - 1
 
     def add(self, tensor: LogicalTensor, targets: list[Target]) -> None:
@@ -233,7 +234,8 @@ class CopyJob:
             self.crcs = self._complete_crcs(crc_ranges, found)
         if sync:
             for path in self.targets:
-                fsync_dir(path)
+                if isinstance(path, str):
+                    fsync_dir(path)
         return totals
 
 
@@ -258,10 +260,32 @@ class CopyJob:
             if crc is None:
                 missing.setdefault(ranges[i][0], []).append(i)
         for target, idx in missing.items():
-            values = _core.checksum_ranges(self.targets[target], [(ranges[i][1], ranges[i][2]) for i in idx], "crc32")
+            where = self.targets[target]
+            if not isinstance(where, str):
+                raise RavexError("a CRC range of an in-memory target that no copy tiled")  # Ravex's own bug
+            values = _core.checksum_ranges(where, [(ranges[i][1], ranges[i][2]) for i in idx], "crc32")
             for i, v in zip(idx, values):
                 found[i] = v
         return [int(c) for c in found if c is not None]
+
+
+def read_into(tensor: LogicalTensor, out: bytearray | memoryview, dtype: str | None = None, *, threads: int = 1) -> None:
+    """The whole of ``tensor``, row-major in ``dtype`` (default: its own; floats are
+    cast), written by the Rust executor straight into ``out`` (a live tensor's
+    bytes: ``memoryview(t.view(torch.uint8).numpy())`` of a contiguous CPU
+    tensor), which must be exactly that many bytes. Nothing else may use ``out``
+    until this returns. Compressed chunks are decoded first, in bounded pieces."""
+    dt = dtype or tensor.dtype
+    view = memoryview(out)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")  # a C-contiguous array of any shape, as flat bytes
+    want = tensor.numel * itemsize(dt)
+    if len(view) != want:
+        raise RavexError(f"tensor '{_shown_name(tensor.name)}': {len(view)} bytes to restore into, {want} needed")  # Ravex's own bug
+    job = CopyJob(table=SourceTable(defer=False))
+    ti = job.target(view)
+    job.add(tensor, [Target(ti, 0, flat_all(tensor), dt)])
+    job.run(sync=False, threads=threads, writeback=False)
 
 
 def _shown_name(name: str) -> str:

@@ -16,13 +16,14 @@ same source metadata, runs on every rank, and the output is byte-identical.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._dist import ambient
+from ._dist import ambient, local_size
 from ._engine import CopyJob, Target
 from .errors import RavexError, from_os_error
 from .model import LogicalTensor, Region
@@ -79,7 +80,7 @@ def assign(files: list[OutFile], ranks: int) -> list[int]:
     return owner
 
 
-def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any) -> dict[str, Any]:
+def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, threads: int) -> dict[str, Any]:
     """Write this rank's files: small records, the executor's copy (CRCs gathered
     on the way), the late records, the seal; each sink closed (durable) before
     returning. Returns each file's seal result."""
@@ -100,7 +101,7 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any) -> d
             crc_ranges += [(ti, off, n) for off, n in f.crc_ranges]
         for t, targets in per_tensor.values():
             job.add(t, targets)
-        job.run(progress=progress, sync=False, threads=plan.threads, crc_ranges=crc_ranges or None)
+        job.run(progress=progress, sync=False, threads=threads, crc_ranges=crc_ranges or None)
         at = 0
         for f, sink in zip(mine, sinks):
             crcs = job.crcs[at:at + len(f.crc_ranges)]
@@ -151,7 +152,9 @@ def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, 
     failure: Any = None
     results: dict[str, Any] = {}
     try:
-        results = _execute(plan, out, mine, progress)
+        # ranks on one machine share its CPUs: one copy thread per CPU in all, not per rank
+        threads = plan.threads or (max(1, (os.cpu_count() or 1) // local_size()) if group.size > 1 else 0)
+        results = _execute(plan, out, mine, progress, threads)
     except OSError as exc:
         failure = from_os_error(exc, path=Path(key), writing=True)
     except RavexError as exc:

@@ -22,7 +22,7 @@ use crate::compare::{compare as compare_impl, Tolerance};
 use crate::compress;
 use crate::dtype::DType;
 use crate::exec::{self, Job, Options, Stats, TensorJob, DEFAULT_WINDOW_BYTES};
-use crate::files::{ChunkRef, Error, Side, Source};
+use crate::files::{ChunkRef, Error, Memory, Side, Source, Target};
 use crate::geometry::Region;
 use crate::plan::{plan, Chunk, PlanError};
 
@@ -374,11 +374,54 @@ fn tensors_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<TensorJob>> {
         .collect()
 }
 
-fn targets_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<PathBuf>> {
-    list(obj, "targets", "paths")?
+/// Targets that are writable buffers (a live tensor's bytes, a bytearray):
+/// held for the whole call so the executor can write them without the GIL.
+/// `None` for paths.
+fn held_targets(items: &[Bound<'_, PyAny>]) -> PyResult<Vec<Option<PyBuffer<u8>>>> {
+    items
         .iter()
         .enumerate()
-        .map(|(i, x)| path_arg(x, &format!("targets[{i}]")))
+        .map(|(i, x)| {
+            if x.is_instance_of::<PyBytes>() || x.extract::<PathBuf>().is_ok() {
+                return Ok(None);
+            }
+            let what = format!("targets[{i}]");
+            let buf = byte_buffer(x, &what)?.ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "{what} must be a path (str) or a writable buffer of unsigned bytes, got {}",
+                    show(x)
+                ))
+            })?;
+            if buf.readonly() {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: the buffer is read-only"
+                )));
+            }
+            Ok(Some(buf))
+        })
+        .collect()
+}
+
+fn targets_arg<'a>(
+    items: &'a [Bound<'_, PyAny>],
+    held: &'a [Option<PyBuffer<u8>>],
+) -> PyResult<Vec<Target<'a>>> {
+    items
+        .iter()
+        .zip(held)
+        .enumerate()
+        .map(|(i, (x, buf))| match buf {
+            Some(buf) => {
+                // SAFETY: the buffer is C-contiguous, writable and `len_bytes()` long, and stays
+                // exported (its memory valid) while `held` lives, for the whole call. The caller
+                // promises not to touch it during the call (the runtime restores into tensors
+                // nothing else uses until the restore returns).
+                Ok(Target::Memory(unsafe {
+                    Memory::from_raw(buf.buf_ptr() as *mut u8, buf.len_bytes())
+                }))
+            }
+            None => path_arg(x, &format!("targets[{i}]")).map(Target::Path),
+        })
         .collect()
 }
 
@@ -397,8 +440,9 @@ const _: () = assert!(DEFAULT_WINDOW_BYTES == 67108864);
 
 /// Copies every target chunk's elements from the source chunks, casting
 /// between float dtypes where the chunks' dtypes differ, with positional
-/// writes into target files that already exist at their final size (nothing
-/// is created or truncated; bytes outside target chunks are left alone).
+/// writes into targets: files that already exist at their final size
+/// (nothing is created or truncated), or writable buffers (a live tensor's
+/// bytes); bytes outside target chunks are left alone.
 /// `sources` are paths (mapped read-only) or `bytes`; each tensor is
 /// `(shape, src_chunks, dst_chunks)` with chunks as `(file index, byte
 /// offset, region, dtype)`. Runs on `threads` threads (0: one per CPU),
@@ -433,9 +477,11 @@ fn execute<'py>(
     };
     let items = list(sources, "sources", "paths or bytes")?;
     let held = held_buffers(&items)?;
+    let outs = list(targets, "targets", "paths or writable buffers")?;
+    let held_outs = held_targets(&outs)?;
     let job = Job {
         sources: sources_arg(&items, &held)?,
-        targets: targets_arg(targets)?,
+        targets: targets_arg(&outs, &held_outs)?,
         tensors: tensors_arg(tensors)?,
     };
     let Some(crc_ranges) = crc_ranges else {
@@ -495,9 +541,11 @@ fn plan_summary<'py>(
     };
     let items = list(sources, "sources", "paths or bytes")?;
     let held = held_buffers(&items)?;
+    let outs = list(targets, "targets", "paths or writable buffers")?;
+    let held_outs = held_targets(&outs)?;
     let job = Job {
         sources: sources_arg(&items, &held)?,
-        targets: targets_arg(targets)?,
+        targets: targets_arg(&outs, &held_outs)?,
         tensors: tensors_arg(tensors)?,
     };
     let summary = py

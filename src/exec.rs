@@ -22,7 +22,7 @@
 use std::cell::RefCell;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{mpsc, Mutex};
 
 use rayon::prelude::*;
@@ -30,7 +30,7 @@ use rayon::prelude::*;
 use crate::dtype::{cast_into, check_cast, DType};
 use crate::files::{
     check_chunk, open_sources, open_targets, source_name, source_sizes, ChunkAt, ChunkRef, Error,
-    Side, Source, SourceData,
+    Opened, Side, Source, SourceData, Target,
 };
 use crate::plan::{plan, Chunk, TargetPlan};
 
@@ -52,7 +52,7 @@ pub struct TensorJob {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Job<'a> {
     pub sources: Vec<Source<'a>>,
-    pub targets: Vec<PathBuf>,
+    pub targets: Vec<Target<'a>>,
     pub tensors: Vec<TensorJob>,
 }
 
@@ -208,7 +208,7 @@ fn plan_tensor(job: &Job<'_>, t: usize, sizes: Sizes<'_>) -> Result<Vec<TargetPl
             chunk: i,
         };
         check_chunk(at, c, elems(c), job.targets.len(), sizes.targets, |f| {
-            job.targets[f].display().to_string()
+            job.targets[f].name(f)
         })?;
     }
     for p in &plans {
@@ -351,7 +351,7 @@ fn check_target_overlaps(job: &Job<'_>) -> Result<(), Error> {
                 file: job
                     .targets
                     .get(fa)
-                    .map_or_else(|| format!("target {fa}"), |p| p.display().to_string()),
+                    .map_or_else(|| format!("target {fa}"), |t| t.name(fa)),
                 tensor: tb,
                 chunk: cb,
                 start: sb,
@@ -511,7 +511,7 @@ fn run(
     let sources = open_sources(&job.sources)?;
     let targets = open_targets(&job.targets)?;
     let source_sizes: Vec<u64> = sources.iter().map(|s| s.bytes().len() as u64).collect();
-    let target_sizes: Vec<u64> = targets.iter().map(|(_, len)| *len).collect();
+    let target_sizes: Vec<u64> = targets.iter().map(Opened::len).collect();
     let sizes = Sizes {
         sources: &source_sizes,
         targets: Some(&target_sizes),
@@ -528,7 +528,9 @@ fn run(
             let targets = &targets;
             scope.spawn(move || {
                 for (t, offset, len) in rx {
-                    start_writeback(&targets[t].0, offset, len);
+                    if let Some(file) = targets[t].file() {
+                        start_writeback(file, offset, len);
+                    }
                 }
             })
         });
@@ -559,9 +561,11 @@ fn run(
             targets
                 .par_iter()
                 .zip(&job.targets)
-                .try_for_each(|((f, _), path)| {
-                    f.sync_all()
-                        .map_err(|e| Error::io("cannot fsync target file", path, e))
+                .try_for_each(|(opened, target)| match (opened.file(), target) {
+                    (Some(f), Target::Path(path)) => f
+                        .sync_all()
+                        .map_err(|e| Error::io("cannot fsync target file", path, e)),
+                    _ => Ok(()),
                 })
         })?;
     }
@@ -592,17 +596,19 @@ thread_local! {
 fn run_piece(
     p: &Piece,
     sources: &[SourceData<'_>],
-    targets: &[(File, u64)],
+    targets: &[Opened<'_>],
     job: &Job<'_>,
     crcs: Option<&Mutex<Vec<WrittenCrc>>>,
     writeback: Option<&mpsc::Sender<(usize, u64, u64)>>,
 ) -> Result<(), Error> {
-    let paths = &job.targets;
     let write_at = |data: &[u8], offset: u64| {
-        targets[p.dst]
-            .0
-            .write_all_at(data, offset)
-            .map_err(|e| Error::io("cannot write to target file", &paths[p.dst], e))
+        targets[p.dst].write_all_at(data, offset).map_err(|e| {
+            Error::io(
+                "cannot write to target",
+                Path::new(&job.targets[p.dst].name(p.dst)),
+                e,
+            )
+        })
     };
     // Validated against the sizes before the first piece ran.
     let start = p.src_off as usize;

@@ -15,7 +15,7 @@ use crate::dtype::DType;
 use crate::exec::{
     build_pieces, execute, plan_summary, split_even, Job, Options, Piece, Sizes, TensorJob,
 };
-use crate::files::{ChunkRef, Source};
+use crate::files::{ChunkRef, Memory, Source, Target};
 
 use crate::geometry::{numel, Region};
 use crate::proptests::{contents, layout, shape};
@@ -224,7 +224,7 @@ fn zero_flat_partitions_reshard_to_dim0_boxes_and_back() {
     let shard_files = blank(dir.path(), "shard", &sizes);
     let job = |src: &[PathBuf], dst: &[PathBuf], a: &[Vec<ChunkRef>], b: &[Vec<ChunkRef>]| Job {
         sources: paths(src),
-        targets: dst.to_vec(),
+        targets: dst.iter().cloned().map(Target::from).collect(),
         tensors: (0..2)
             .map(|t| TensorJob {
                 shape: shapes[t].clone(),
@@ -344,7 +344,7 @@ pub(crate) fn one_tensor<'a>(
 ) -> Job<'a> {
     Job {
         sources,
-        targets,
+        targets: targets.into_iter().map(Target::from).collect(),
         tensors: vec![TensorJob {
             shape: shape.to_vec(),
             src_chunks: src.to_vec(),
@@ -572,7 +572,7 @@ fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
             };
             let job = Job {
                 sources: paths(&sources),
-                targets: targets.clone(),
+                targets: targets.iter().cloned().map(Target::from).collect(),
                 tensors: vec![TensorJob {
                     shape: vec![n],
                     src_chunks: vec![chunk(0, src_off, DType::F32)],
@@ -623,4 +623,82 @@ proptest! {
             prop_assert!(bytes <= total / parts as u64 + largest + 1, "{bytes} of {total} in {parts} parts");
         }
     }
+}
+
+/// A target can be memory the caller lends (a live tensor): the same copy and
+/// cast as into a file, nothing written outside the chunks, a write past its
+/// end refused before any byte moves.
+#[test]
+fn copies_and_casts_into_memory_targets() {
+    let dir = TempDir::new().unwrap();
+    let values: Vec<f32> = (0..24).map(|i| i as f32 * 0.5 - 3.0).collect();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let src = write_data(dir.path(), "src", std::slice::from_ref(&bytes)).remove(0);
+    let mut same = vec![0xAAu8; 4 + 24 * 4];
+    let mut halves = vec![0xAAu8; 24 * 2];
+    let whole = Region::Flat { start: 0, len: 24 };
+    let job = Job {
+        sources: vec![Source::Path(src)],
+        targets: vec![
+            Target::Memory(Memory::new(&mut same)),
+            Target::Memory(Memory::new(&mut halves)),
+        ],
+        tensors: vec![TensorJob {
+            shape: vec![24],
+            src_chunks: vec![ChunkRef {
+                file: 0,
+                offset: 0,
+                region: whole.clone(),
+                dtype: DType::F32,
+            }],
+            dst_chunks: vec![
+                ChunkRef {
+                    file: 0,
+                    offset: 4,
+                    region: whole.clone(),
+                    dtype: DType::F32,
+                },
+                ChunkRef {
+                    file: 1,
+                    offset: 0,
+                    region: whole.clone(),
+                    dtype: DType::BF16,
+                },
+            ],
+        }],
+    };
+    execute(&job, &Options::default()).unwrap();
+    drop(job);
+    assert_eq!(&same[..4], &[0xAA; 4]);
+    assert_eq!(&same[4..], &bytes[..]);
+    let want: Vec<u8> = values
+        .iter()
+        .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+        .collect();
+    assert_eq!(halves, want);
+
+    let mut small = vec![0u8; 8];
+    let job = Job {
+        sources: vec![Source::Bytes(&bytes)],
+        targets: vec![Target::Memory(Memory::new(&mut small))],
+        tensors: vec![TensorJob {
+            shape: vec![24],
+            src_chunks: vec![ChunkRef {
+                file: 0,
+                offset: 0,
+                region: whole.clone(),
+                dtype: DType::F32,
+            }],
+            dst_chunks: vec![ChunkRef {
+                file: 0,
+                offset: 0,
+                region: whole,
+                dtype: DType::F32,
+            }],
+        }],
+    };
+    let err = execute(&job, &Options::default()).unwrap_err().to_string();
+    assert!(err.contains("in-memory buffer of 8 bytes"), "{err}");
+    drop(job);
+    assert_eq!(small, vec![0u8; 8]);
 }

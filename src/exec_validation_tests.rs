@@ -7,7 +7,7 @@ use std::path::Path;
 use crate::dtype::DType;
 use crate::exec::{execute, plan_summary, Job, Options, TensorJob};
 use crate::exec_tests::{blank, chunk_bytes, one_tensor, paths, write_data, SENTINEL};
-use crate::files::{ChunkRef, Error, Source};
+use crate::files::{ChunkRef, Error, Source, Target};
 use crate::geometry::Region;
 use tempfile::TempDir;
 
@@ -67,7 +67,7 @@ fn targets_must_exist_at_their_final_size() {
     assert!(msg.ends_with("hint: create each target file at its final size before executing"));
 
     let mut job = simple(dir.path(), None, 48);
-    job.targets[0] = dir.path().join("missing");
+    job.targets[0] = Target::Path(dir.path().join("missing"));
     let err = execute(&job, &Options::default()).unwrap_err();
     assert!(
         matches!(&err, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
@@ -159,7 +159,7 @@ fn in_memory_sources_and_empty_files() {
     let dst = blank(dir.path(), "dst", &[8]);
     let job = Job {
         sources: vec![Source::Path(empty[0].clone()), Source::Bytes(&values)],
-        targets: dst.clone(),
+        targets: dst.iter().cloned().map(Target::from).collect(),
         tensors: vec![
             TensorJob {
                 shape: shape.to_vec(),

@@ -12,6 +12,7 @@
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -209,21 +210,137 @@ pub(crate) fn source_sizes(sources: &[Source<'_>]) -> Result<Vec<u64>, Error> {
         .collect()
 }
 
-/// Opens the targets for positional writes: they must exist already, at
+/// Where a target's bytes go: a file that exists at its final size, or
+/// memory the caller lends for the call (a live tensor's storage, a buffer
+/// an upload is made from).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target<'a> {
+    Path(PathBuf),
+    Memory(Memory<'a>),
+}
+
+impl From<PathBuf> for Target<'_> {
+    fn from(p: PathBuf) -> Self {
+        Target::Path(p)
+    }
+}
+
+impl Target<'_> {
+    /// How the target is named in messages.
+    pub fn name(&self, index: usize) -> String {
+        match self {
+            Target::Path(p) => p.display().to_string(),
+            Target::Memory(m) => format!("target {index} (an in-memory buffer of {} bytes)", m.len),
+        }
+    }
+}
+
+/// Writable memory lent to the executor: `len` bytes at `ptr`, for `'a`.
+/// Copy threads write disjoint ranges of it (the executor refuses target
+/// chunks that overlap before any byte moves), so sharing it is sound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Memory<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _lent: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: see the type's documentation: writes go to disjoint ranges only.
+unsafe impl Send for Memory<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for Memory<'_> {}
+
+impl<'a> Memory<'a> {
+    pub fn new(buf: &'a mut [u8]) -> Memory<'a> {
+        Memory {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            _lent: std::marker::PhantomData,
+        }
+    }
+
+    /// # Safety
+    /// `ptr` must be valid for writes of `len` bytes for `'a`, and nothing
+    /// else may read or write that memory meanwhile.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Memory<'a> {
+        Memory {
+            ptr,
+            len,
+            _lent: std::marker::PhantomData,
+        }
+    }
+
+    fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        let end = offset
+            .checked_add(data.len() as u64)
+            .filter(|&e| e <= self.len as u64);
+        if end.is_none() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "write past the end of an in-memory target",
+            ));
+        }
+        if !data.is_empty() {
+            // SAFETY: in bounds (checked above); the range is this piece's alone.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    data.as_ptr(),
+                    self.ptr.add(offset as usize),
+                    data.len(),
+                )
+            };
+        }
+        Ok(())
+    }
+}
+
+/// An open target.
+pub(crate) enum Opened<'a> {
+    File(File, u64),
+    Memory(Memory<'a>),
+}
+
+impl Opened<'_> {
+    pub(crate) fn len(&self) -> u64 {
+        match self {
+            Opened::File(_, len) => *len,
+            Opened::Memory(m) => m.len as u64,
+        }
+    }
+
+    pub(crate) fn file(&self) -> Option<&File> {
+        match self {
+            Opened::File(f, _) => Some(f),
+            Opened::Memory(_) => None,
+        }
+    }
+
+    pub(crate) fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        match self {
+            Opened::File(f, _) => f.write_all_at(data, offset),
+            Opened::Memory(m) => m.write_at(data, offset),
+        }
+    }
+}
+
+/// Opens the targets for positional writes: files must exist already, at
 /// their final size; nothing is created or truncated.
-pub(crate) fn open_targets(targets: &[PathBuf]) -> Result<Vec<(File, u64)>, Error> {
+pub(crate) fn open_targets<'a>(targets: &[Target<'a>]) -> Result<Vec<Opened<'a>>, Error> {
     targets
         .iter()
-        .map(|p| {
-            let file = OpenOptions::new()
-                .write(true)
-                .open(p)
-                .map_err(|e| Error::io("cannot open target file for writing", p, e))?;
-            let len = file
-                .metadata()
-                .map_err(|e| Error::io("cannot read the size of", p, e))?
-                .len();
-            Ok((file, len))
+        .map(|t| match t {
+            Target::Memory(m) => Ok(Opened::Memory(*m)),
+            Target::Path(p) => {
+                let file = OpenOptions::new()
+                    .write(true)
+                    .open(p)
+                    .map_err(|e| Error::io("cannot open target file for writing", p, e))?;
+                let len = file
+                    .metadata()
+                    .map_err(|e| Error::io("cannot read the size of", p, e))?
+                    .len();
+                Ok(Opened::File(file, len))
+            }
         })
         .collect()
 }
