@@ -15,6 +15,7 @@ from ravex_convert import (
     inspect,
 )
 from ravex_runtime import (
+    Session,
     batch_boundary,
     checkpoint,
     deactivate,
@@ -29,6 +30,6 @@ from ravex_runtime import (
 )
 
 __all__ = [
-    "CheckpointInfo", "RavexError", "__version__", "batch_boundary", "checkpoint", "deactivate", "detect", "flush", "inspect",
+    "CheckpointInfo", "RavexError", "Session", "__version__", "batch_boundary", "checkpoint", "deactivate", "detect", "flush", "inspect",
     "is_active", "load_weights", "restore", "status", "step", "track", "train_loop",
 ]

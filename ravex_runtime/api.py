@@ -64,8 +64,8 @@ def _run(f: Callable[..., Any], preemption_handler: bool, args: Any, kwargs: Any
         raise RavexError("ravex.train_loop: a decorated function is already running in this process", hint="decorate only the outermost training function")
     cfg = load_config()  # errors here: before any training
     handler = _logging(cfg.log_file)
-    rt = Runtime(cfg, preemption_handler)
     try:
+        rt = Runtime(cfg, preemption_handler)  # takes the store: errors here, before any training too
         rt.start()
     except BaseException:
         log.removeHandler(handler)
@@ -186,7 +186,7 @@ def restore(path: str | Path | None = None, index: int = -1, *, weights_only: bo
     ckpt, tensors = load_checkpoint(store, index)
     # All or nothing: a checkpoint that does not fit the live objects raises with none of them touched
     # (and the automatic resume, if still due, still happens at the first iteration boundary).
-    rt.apply(ckpt, tensors, weights_only=weights_only, where=f"checkpoint {ckpt.source.get('index')} (step {ckpt.step}) of {store}")
+    rt.session.apply(ckpt, tensors, weights_only=weights_only, where=f"checkpoint {ckpt.source.get('index')} (step {ckpt.step}) of {store}")
     if not weights_only:
         rt.restored = True
         rt.step = int(ckpt.step or 0)

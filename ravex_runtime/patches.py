@@ -2,7 +2,8 @@
 
 ``apply(rt)`` replaces a handful of methods with wrappers that call the
 original first (so the user's call always behaves as before) and then tell the
-runtime, through ``rt._safe`` so a Ravex failure never reaches training code.
+runtime and its session (``rt.session.notice_*``: what is being trained), through
+``rt._safe`` so a Ravex failure never reaches training code.
 It returns the function that puts the originals back.
 """
 
@@ -103,7 +104,7 @@ def apply(rt: Runtime) -> Callable[[], None]:
 
     def module_init(m: Any) -> None:
         # Only the outermost construction is a model; submodules are reached from it.
-        rt.notice_module(m)
+        rt.session.notice_module(m)
 
     def loader_iter(original: Any) -> Any:
         def wrapper(self: Any) -> Any:
@@ -115,7 +116,7 @@ def apply(rt: Runtime) -> Callable[[], None]:
                 # Checkpointing is off after a failure, but steps are still counted: the iterator still ends at max_steps.
                 plain = unstamped(self, original(self))
                 return _Iter(rt, self, plain) if rt.counting and rt.cfg.max_steps is not None else plain
-            st = rt._safe(rt.notice_loader, self)
+            st = rt._safe(rt.loader_state, self)
             if st is None:
                 return unstamped(self, original(self))
             try:
@@ -139,11 +140,11 @@ def apply(rt: Runtime) -> Callable[[], None]:
         elif cls is torch.optim.Optimizer:
             patch(cls, name, after(rt.notice_optimizer))
         elif cls is DataLoader:
-            patch(cls, name, after(rt.notice_loader))
+            patch(cls, name, after(rt.session.notice_loader))
         elif cls is torch.amp.GradScaler:
-            patch(cls, name, after(rt.notice_scaler))
+            patch(cls, name, after(rt.session.notice_scaler))
         elif issubclass(cls, lr_scheduler.LRScheduler) or cls.__name__ == "ReduceLROnPlateau":
-            patch(cls, name, after(rt.notice_scheduler))
+            patch(cls, name, after(rt.session.notice_scheduler))
 
     def undo() -> None:
         for cls, name, original in reversed(saved):

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,14 +26,12 @@ from ravex_convert.errors import CorruptCheckpointError, LayoutMismatchError, Ra
 from ravex_convert.model import MODEL, OBJ, OPTIM, Checkpoint
 
 from .errors import ResumeError
+from .loading import load_checkpoint, load_torch_save, torch_save_files
 from .sampler import LoaderState, generators_of
-from .state import restore_rng, unflatten
+from .state import Tracked, restore_rng, unflatten
 from .workers import check_states
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
-
-__all__ = ["ResumeError", "restore_into"]
+__all__ = ["Resume", "ResumeError", "restore_into"]
 
 log = logging.getLogger("ravex")
 
@@ -173,8 +172,8 @@ def _plan_optimizer0(opt: Any, objs: dict[str, Any], tensors: dict[str, torch.Te
     return sd
 
 
-def _plan_optimizers(rt: Runtime, objs: dict[str, Any], tensors: dict[str, torch.Tensor], names: dict[int, str], where: str) -> list[Any]:
-    opts = [o for r in rt.optimizers if (o := r()) is not None]
+def _plan_optimizers(live: Tracked, objs: dict[str, Any], tensors: dict[str, torch.Tensor], names: dict[int, str], where: str) -> list[Any]:
+    opts = live.optimizers
     saved = (1 if "optim.param_groups" in objs else 0) + sum(1 for k in objs if k.startswith("optimizer."))
     if saved != len(opts):
         raise _mismatch(where, f"the checkpoint holds the state of {saved} optimizer(s), this run built {len(opts)} by its first iteration")
@@ -230,12 +229,12 @@ def _check_tree(live: Any, saved: Any, where: str, path: str) -> None:
             _check_tree(a, b, where, f"{path}/{i}")
 
 
-def _plan_tracked(rt: Runtime, objs: dict[str, Any], where: str) -> list[tuple[Any, Any]]:
+def _plan_tracked(live: Tracked, objs: dict[str, Any], where: str) -> list[tuple[Any, Any]]:
     out: list[tuple[Any, Any]] = []
     tracked = objs.get("tracked") or {}
     if not isinstance(tracked, dict):
         raise _corrupt(where, "'tracked' is not a mapping")
-    for name, obj in rt.tracked.items():
+    for name, obj in live.named.items():
         saved = tracked.get(name)
         if saved is None:
             log.warning("ravex: tracked object %r is not in the checkpoint; it starts fresh", name)
@@ -293,13 +292,12 @@ def _check_rng(state: Any, where: str) -> None:
             _check_torch_state(t, where, f"the CUDA RNG state of device {i}", device=f"cuda:{i}")
 
 
-def _plan_loaders(rt: Runtime, objs: dict[str, Any], where: str) -> list[tuple[Any, LoaderState, dict[str, Any]]]:
+def _plan_loaders(live: Tracked, objs: dict[str, Any], where: str) -> list[tuple[Any, LoaderState, dict[str, Any]]]:
     saved_l = objs.get("loaders") or []
     if not isinstance(saved_l, list):
         raise _corrupt(where, "'loaders' is not a list")
     out: list[tuple[Any, LoaderState, dict[str, Any]]] = []
-    for i, (r, st) in enumerate(rt.loaders):
-        ld = r()
+    for i, (ld, st) in enumerate(live.loaders):
         if ld is None or i >= len(saved_l) or saved_l[i] is None:
             continue
         saved = saved_l[i]
@@ -334,24 +332,23 @@ def _plan_loaders(rt: Runtime, objs: dict[str, Any], where: str) -> list[tuple[A
 # ---------------------------------------------------------------- plan, snapshot, apply
 
 
-def plan(rt: Runtime, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], weights_only: bool, where: str) -> _Plan:
+def plan(live: Tracked, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], weights_only: bool, where: str) -> _Plan:
     """Read and check everything against the live objects; touches none of them."""
     try:
         objs = {k: unflatten(v, tensors) for k, v in ckpt.objects.items()}
     except RavexError as exc:
         raise _corrupt(where, exc.message) from None
-    roots = rt._roots()
-    p = _Plan(models=_plan_models(tensors, roots, where, weights_only))
+    p = _Plan(models=_plan_models(tensors, live.models, where, weights_only))
     if weights_only:
         return p
-    p.optimizers = _plan_optimizers(rt, objs, tensors, rt._param_names(roots), where)
-    p.stateful = [*_plan_stateful(objs, [x for r in rt.schedulers if (x := r()) is not None], "lr_scheduler", "LR scheduler", where),
-                  *_plan_stateful(objs, [x for r in rt.scalers if (x := r()) is not None], "loss_scaler", "GradScaler", where),
-                  *_plan_tracked(rt, objs, where)]
+    p.optimizers = _plan_optimizers(live, objs, tensors, live.param_names(), where)
+    p.stateful = [*_plan_stateful(objs, live.schedulers, "lr_scheduler", "LR scheduler", where),
+                  *_plan_stateful(objs, live.scalers, "loss_scaler", "GradScaler", where),
+                  *_plan_tracked(live, objs, where)]
     if "rng" in objs:
         _check_rng(objs["rng"], where)
         p.rng = objs["rng"]
-    p.loaders = _plan_loaders(rt, objs, where)
+    p.loaders = _plan_loaders(live, objs, where)
     step = objs.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise _corrupt(where, f"step is {step!r}, not a non-negative integer")
@@ -385,7 +382,7 @@ def _rng_now() -> dict[str, Any]:
     return out
 
 
-def _snapshot(rt: Runtime, p: _Plan) -> list[Callable[[], None]]:
+def _snapshot(p: _Plan) -> list[Callable[[], None]]:
     """Closures that put every object the plan touches back as it is now."""
     undo: list[Callable[[], None]] = []
     def load_back(obj: Any, sd: Any, strict: bool | None) -> Callable[[], None]:
@@ -408,12 +405,10 @@ def _snapshot(rt: Runtime, p: _Plan) -> list[Callable[[], None]]:
             for k, g in generators_of(ld).items():
                 g.set_state(gens[k])
         undo.append(loader_back)
-    step = rt.step
-    undo.append(lambda: setattr(rt, "step", step))
     return undo
 
 
-def _apply(rt: Runtime, p: _Plan) -> None:
+def _apply(p: _Plan) -> None:
     for m, sd in p.models:
         m.load_state_dict(sd, strict=False)  # names and shapes checked; extra state, if any, stays
     for obj, sd in [*p.optimizers, *p.stateful]:
@@ -426,21 +421,20 @@ def _apply(rt: Runtime, p: _Plan) -> None:
         for k, g in generators_of(ld).items():
             if k in (saved.get("generators") or {}):
                 g.set_state(saved["generators"][k])
-    if p.step is not None:
-        rt.step = p.step
 
 
-def restore_into(rt: Runtime, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], *, weights_only: bool, where: str) -> None:
-    """Restore ``ckpt`` into the live objects of ``rt``, all or nothing.
+def restore_into(live: Tracked, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], *, weights_only: bool, where: str) -> int | None:
+    """Restore ``ckpt`` into the live objects, all or nothing; returns the step it saved (None when
+    it saved none, or with ``weights_only``). The step counter is the caller's to set.
 
     A checkpoint that does not fit raises :class:`~ravex_convert.errors.LayoutMismatchError`
     or :class:`~ravex_convert.errors.CorruptCheckpointError` with nothing touched; a failure
     while applying puts the previous state back and raises :class:`RavexError`; a failure to
     put it back raises :class:`ResumeError` (the process must not train on)."""
-    p = plan(rt, ckpt, tensors, weights_only, where)
-    undo = _snapshot(rt, p)
+    p = plan(live, ckpt, tensors, weights_only, where)
+    undo = _snapshot(p)
     try:
-        _apply(rt, p)
+        _apply(p)
     except Exception as exc:
         try:
             for back in undo:
@@ -451,3 +445,142 @@ def restore_into(rt: Runtime, ckpt: Checkpoint, tensors: dict[str, torch.Tensor]
                               hint="start the script again; if it fails the same way, " + _SAME_RUN) from exc
         raise RavexError(f"{where}: restoring failed midway ({type(exc).__name__}: {exc}); the live objects were put back as they were",
                          hint=_SAME_RUN) from exc
+    return p.step
+
+
+# ---------------------------------------------------------------- which checkpoint: newest first, falling back
+
+
+_Found = tuple[Checkpoint, dict[str, torch.Tensor]]
+_SAME_RUN_HINT = "resume with the model, optimizer and schedulers built as the checkpointed run built them"
+
+
+class Resume:
+    """Which checkpoint of a store a resume puts in, and the older ones it falls back on.
+
+    ``pending`` is the one loaded (checksums verified) and not yet restored; ``index`` and
+    ``label`` name the one being tried (``index`` is None for a checkpoint that is not one of
+    this store's); ``unrestorable`` lists this store's checkpoints that were skipped, damaged or
+    not fitting the live objects (while any is, keep_last prunes nothing), and ``failures`` why
+    each checkpoint tried was skipped, for the error when none is left.
+    """
+
+    def __init__(self, store: Path, backend: str, source: str):
+        self.store, self.backend, self.source = store, backend, source  # source: the configuration's, for hints
+        self.pending: _Found | None = None
+        self.index: int | None = None
+        self.label = ""
+        self.unrestorable: list[int] = []
+        self.failures: list[str] = []
+        self._candidates: Iterator[tuple[int | None, str, _Found]] = iter(())
+
+    def restore(self, live: Tracked) -> int | None:
+        """Put ``pending`` into ``live``, all or nothing; one that does not fit is reported and the one
+        before it tried. The step restored, or None when nothing is pending; :class:`ResumeError` when
+        none is left to try, or a failed restore could not be undone."""
+        while self.pending is not None:
+            ckpt, tensors = self.pending
+            try:
+                step = restore_into(live, ckpt, tensors, weights_only=False, where=self.label)
+            except ResumeError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever the reason, nothing was restored: try the one before
+                why = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
+                log.error("ravex: %s cannot be restored into this run: %s", self.label, why)
+                self.skipped(self.store, self.index, why if why.startswith(self.label) else f"{self.label}: {why}")
+                self.pending = None
+                del ckpt, tensors
+                self.pending = self._next()
+                continue
+            self.pending = None  # restored: its tensors are no longer needed
+            if self.unrestorable:
+                log.warning("ravex: resumed from %s, not from the newest checkpoint: %s could not be used (see above)", self.label,
+                            ", ".join(str(i) for i in self.unrestorable))
+            return step if step is not None else int(ckpt.step or 0)
+        return None
+
+    def find(self, src: str | int | None) -> _Found | None:
+        """The checkpoint named by ``src`` (an index of the store, a store, a checkpoint directory, a ``.pt``
+        file: what ``resume_from`` names), or with None the newest complete one; None when the store has
+        none. Damaged ones are skipped (newest first); the older ones are kept to fall back on."""
+        self._candidates, self.failures = iter(()), []
+        source = self.source
+        if isinstance(src, str) and src.endswith(".pt"):
+            return self._only(None, f"checkpoint {src}", load_torch_save(Path(src)))
+        if isinstance(src, int) and self.backend == "torch_save":
+            files = torch_save_files(self.store)
+            found = files.get(src) if src >= 0 else (list(files.values())[src] if -src <= len(files) else None)
+            if found is None:
+                raise RavexError(f"resume_from {src}: {self.store} holds no such checkpoint (it has {len(files)})", hint="use -1 for the newest")
+            return self._only(int(found.name[5:13]), f"checkpoint {found}", load_torch_save(found))
+        if isinstance(src, str):
+            p = Path(src)
+            if (p / "ravex-store.json").is_file():
+                self._candidates = self._native_candidates(p)
+                return self._next(first=True)
+            if (p / "checkpoint.json").is_file():
+                return self._only(None, f"checkpoint {p}", load_checkpoint(p))
+            raise RavexError(f"resume_from {src}: neither a Ravex store nor a checkpoint directory of one",
+                             hint=f"set resume_from in {source} to a store, a checkpoints/<index> directory, or an index", path=p)
+        if isinstance(src, int):
+            ckpt, tensors = load_checkpoint(self.store, src)
+            index = ckpt.source.get("index")
+            return self._only(index, f"checkpoint {index} (step {ckpt.step}) of {self.store}", (ckpt, tensors))
+        if self.backend == "torch_save":
+            self._candidates = self._torch_save_candidates()
+            return self._next(first=True)
+        if not (self.store / "ravex-store.json").is_file():
+            return None
+        self._candidates = self._native_candidates(self.store)
+        return self._next(first=True)
+
+    def _only(self, index: int | None, label: str, found: _Found) -> _Found:
+        """A checkpoint the configuration (or the caller) names: nothing to fall back on."""
+        self.index, self.label = index, label
+        log.warning("ravex: resuming from %s", label)
+        return found
+
+    def _next(self, first: bool = False) -> _Found | None:
+        """The next checkpoint to try, newest first; None when there is none left."""
+        for index, label, found in self._candidates:
+            self.index, self.label = index, label
+            log.warning("ravex: %s %s", "resuming from" if first else "falling back to", label)
+            return found
+        self.index = None
+        if self.failures:
+            # Every checkpoint there is was tried: never start over on a store whose checkpoints are all damaged.
+            more = f"\n  ... and {len(self.failures) - 5} older ones" if len(self.failures) > 5 else ""
+            raise ResumeError(f"{self.store}: no checkpoint of the store can be resumed from:\n  - " + "\n  - ".join(self.failures[:5]) + more,
+                              hint="fix what the error names (" + _SAME_RUN_HINT + "), restore the store from a copy, "
+                                   "or set fresh: true (RAVEX_FRESH=1) to start over", path=self.store)
+        return None
+
+    def skipped(self, store: Path, index: int | None, why: str) -> None:
+        self.failures.append(why)
+        if store == self.store and index is not None and index not in self.unrestorable:
+            self.unrestorable.append(index)
+
+    def _native_candidates(self, store: Path) -> Iterator[tuple[int | None, str, _Found]]:
+        from ravex_convert.formats import native
+
+        manifest = native.read_manifest(store)
+        entries = [e for e in manifest["checkpoints"] if isinstance(e, dict) and e.get("status") == "complete"]
+        for e in reversed(entries):
+            index = int(e["index"])
+            try:
+                ckpt, tensors = load_checkpoint(store, index)
+            except RavexError as exc:  # CorruptCheckpointError, IncompleteCheckpointError and the rest: skip it
+                log.warning("ravex: checkpoint %s of %s is damaged and is skipped: %s", index, store, exc)
+                self.skipped(store, index, exc.message)
+                continue
+            yield (index if store == self.store else None), f"checkpoint {index} (step {ckpt.step}) of {store}", (ckpt, tensors)
+
+    def _torch_save_candidates(self) -> Iterator[tuple[int | None, str, _Found]]:
+        for i, path in reversed(list(torch_save_files(self.store).items())):
+            try:
+                found = load_torch_save(path)
+            except Exception as exc:  # noqa: BLE001 - torch.load reports damage in many exception types
+                log.warning("ravex: checkpoint %s is damaged and is skipped: %s", path, exc)
+                self.skipped(self.store, i, f"checkpoint {path}: {exc}")
+                continue
+            yield i, f"checkpoint {i} (step {found[0].step}) of {self.store}", found

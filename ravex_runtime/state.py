@@ -1,6 +1,7 @@
 """Turning live training state into a checkpoint model and back.
 
-Collection runs on the training thread and only copies (``snapshot``); turning
+Collection runs on the training thread and only copies (``capture``, of a
+session's :class:`Tracked` objects, into a :class:`Snapshot`); turning
 the copies into bytes and a :class:`~ravex_convert.model.Checkpoint` happens on
 the writer thread (``to_checkpoint``). Names follow the checkpoint model:
 ``model/<fqn>`` for the model, ``optim/<state>/<fqn>`` for the first
@@ -13,14 +14,44 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ravex_convert.errors import RavexError
-from ravex_convert.model import OBJ, Box, Checkpoint, Chunk, LogicalTensor, TensorLink
+from ravex_convert.model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink
 
-__all__ = ["Snapshot", "capture_rng", "from_bytes", "restore_rng", "tensor_view", "to_checkpoint", "unflatten"]
+if TYPE_CHECKING:
+    from .sampler import LoaderState
+
+__all__ = ["Snapshot", "Tracked", "capture", "capture_rng", "from_bytes", "restore_rng", "tensor_view", "to_checkpoint", "unflatten"]
+
+
+@dataclass
+class Tracked:
+    """The live objects of a session at one moment, held strongly for as long as this view lives:
+    what a capture saves and what a restore is checked against and put into.
+
+    ``models`` are the outermost modules that hold state, the one owning the first optimizer's
+    parameters first ("the model", saved as ``model/<fqn>``; the others as ``obj/model.<i>/``).
+    ``loaders`` keep their registration order, with None where a loader is gone: a checkpoint's
+    positions are matched to loaders by that order. ``named``: objects saved whole by name.
+    """
+
+    models: list[torch.nn.Module] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    scalers: list[Any] = field(default_factory=list)
+    loaders: list[tuple[Any, LoaderState]] = field(default_factory=list)
+    named: dict[str, Any] = field(default_factory=dict)
+
+    def param_names(self) -> dict[int, str]:
+        """id(parameter) -> its name: ``<fqn>`` in the model, ``model<i>.<fqn>`` in the i-th other one."""
+        names: dict[int, str] = {}
+        for i, m in enumerate(self.models):
+            for n, p in m.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), n if i == 0 else f"model{i}.{n}")
+        return names
 
 
 @dataclass
@@ -61,6 +92,53 @@ class Snapshot:
         if type(value).__module__ == "numpy":
             return _numpy_plain(value)
         return value
+
+
+def capture(live: Tracked, step: int, spare: dict[str, torch.Tensor], extra: dict[str, Any]) -> Snapshot:
+    """Copy the state of ``live`` (training thread) into a snapshot of ``step``, reusing ``spare`` buffers."""
+    snap = Snapshot(step=step, spare=spare)
+    for i, m in enumerate(live.models):
+        for k, v in m.state_dict().items():
+            if isinstance(v, torch.Tensor):
+                snap.add(f"{MODEL}{k}" if i == 0 else f"{OBJ}model.{i}/{k}", v)
+    names = live.param_names()
+    for i, opt in enumerate(live.optimizers):
+        if i == 0:
+            snap.objects.update(_capture_optimizer(snap, opt, names))
+        else:
+            snap.objects[f"optimizer.{i}"] = snap.flatten(opt.state_dict(), f"optimizer.{i}")
+    for i, s in enumerate(live.schedulers):
+        snap.objects["lr_scheduler" if i == 0 else f"lr_scheduler.{i}"] = snap.flatten(s.state_dict(), f"lr_scheduler.{i}")
+    for i, s in enumerate(live.scalers):
+        snap.objects["loss_scaler" if i == 0 else f"loss_scaler.{i}"] = snap.flatten(s.state_dict(), f"loss_scaler.{i}")
+    snap.objects["tracked"] = {name: snap.flatten(obj.state_dict(), f"tracked/{name}") for name, obj in live.named.items()}
+    snap.objects["rng"] = capture_rng(snap, "rng")
+    snap.objects["loaders"] = [st.capture(snap, ld) if ld is not None else None for ld, st in live.loaders]
+    snap.objects["step"] = step
+    snap.objects["extra"] = extra
+    snap.spare = {}  # buffers of tensors that are gone: let them go
+    return snap
+
+
+def _capture_optimizer(snap: Snapshot, opt: Any, names: dict[int, str]) -> dict[str, Any]:
+    """The first optimizer, keyed by parameter name: tensors as ``optim/<state>/<fqn>``, the rest as objects."""
+    sd = opt.state_dict()
+    pnames: list[str] = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            pnames.append(names.get(id(p), f"param.{len(pnames)}"))
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, st in sd["state"].items():
+        fqn = pnames[pid]
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                snap.add(f"{OPTIM}{k}/{fqn}", v)
+            else:
+                scalars.setdefault(fqn, {})[k] = v
+    groups = []
+    for g in sd["param_groups"]:
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": [pnames[i] for i in g["params"]]})
+    return {"optim.param_groups": snap.flatten(groups, "optim.param_groups"), "optim.scalars": scalars}
 
 
 def _numpy_plain(value: Any) -> Any:

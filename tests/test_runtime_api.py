@@ -367,16 +367,16 @@ def test_every_checkpoint_holds_its_own_step_although_snapshot_buffers_are_reuse
     monkeypatch.setenv("RAVEX_CHECKPOINT_EVERY", "1")
     expected: dict[int, torch.Tensor] = {}
     buffers: list[int] = []
-    from ravex_runtime import runtime as rtmod
+    import queue
 
-    real_put = rtmod.queue.Queue.put
+    real_put = queue.Queue.put
 
     def watch(q: Any, item: Any, *a: Any, **k: Any) -> None:
         if item is not None:
             buffers.append(item.tensors["model/weight"].data_ptr())
         real_put(q, item, *a, **k)
 
-    monkeypatch.setattr(rtmod.queue.Queue, "put", watch)
+    monkeypatch.setattr(queue.Queue, "put", watch)
 
     @ravex.train_loop
     def run() -> None:

@@ -24,7 +24,8 @@ import ravex
 import ravex_convert
 from ravex_convert.errors import IncompleteCheckpointError, LayoutMismatchError
 from ravex_runtime import ResumeError
-from ravex_runtime import runtime as rtmod
+from ravex_runtime import state as statemod
+from ravex_runtime.loading import load_checkpoint, load_torch_save
 from ravex_runtime.state import Snapshot, capture_rng
 from ravex_runtime.status import store_status
 
@@ -190,7 +191,7 @@ def test_a_damaged_rng_state_falls_back_to_the_previous_checkpoint_and_prunes_no
         env: Path, logs: Callable[[], str], monkeypatch: pytest.MonkeyPatch, kind: str, message: str, backend: str) -> None:
     monkeypatch.setenv("RAVEX_BACKEND", backend)
     with monkeypatch.context() as m:
-        m.setattr(rtmod, "capture_rng", damage_rng(kind))
+        m.setattr(statemod, "capture_rng", damage_rng(kind))
 
         @ravex.train_loop
         def run() -> None:
@@ -202,12 +203,12 @@ def test_a_damaged_rng_state_falls_back_to_the_previous_checkpoint_and_prunes_no
         assert [s for _, s in before] == [2, 4]
         good_index = before[0][0]
         good = ravex_convert.load_state_dict(env, index=good_index)
-        good_rng = rtmod.load_checkpoint(env, good_index)[1]["obj/rng/torch"]
+        good_rng = load_checkpoint(env, good_index)[1]["obj/rng/torch"]
     else:
         files = sorted(env.glob("ckpt-*.pt"))
         assert len(files) == 2
         good_index = 0
-        ckpt, tensors = rtmod.load_torch_save(files[0])
+        ckpt, tensors = load_torch_save(files[0])
         good = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
         good_rng = ckpt.objects["rng"]["torch"]
 
@@ -238,7 +239,7 @@ def test_a_damaged_rng_state_falls_back_to_the_previous_checkpoint_and_prunes_no
 
 def test_a_run_resumed_from_its_newest_checkpoint_prunes_again(env: Path, logs: Callable[[], str], monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as m:
-        m.setattr(rtmod, "capture_rng", damage_rng("torch_rng_size"))
+        m.setattr(statemod, "capture_rng", damage_rng("torch_rng_size"))
 
         @ravex.train_loop
         def run() -> None:

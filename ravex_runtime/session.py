@@ -1,0 +1,649 @@
+"""A checkpointing session on this rank: track, capture, commit, restore.
+
+This is the layer ``@ravex.train_loop`` sits on, and the one a framework
+integration calls (a Hugging Face Trainer callback, a Lightning callback: not
+built yet). It knows what is being trained, copies its state at an iteration
+boundary (:meth:`Session.capture`), hands the copy to a background writer
+(:meth:`Session.commit`), and puts a checkpoint back into the live objects, all
+or nothing (:meth:`Session.restore`). It decides nothing about *when*: the
+decorator counts optimizer steps and captures every ``checkpoint_every`` of
+them; a hand-written loop or a callback captures where it likes.
+
+A session holds its store from construction to :meth:`Session.close`: a lock on
+the store directory (one writer per store), and a writer thread. It knows its
+rank and world size (from ``torch.distributed`` when a process group is
+initialized, else 0 and 1) but does nothing distributed yet: every rank that
+opens a session captures and writes its own whole checkpoint to the store it is
+given. Sharded capture and a commit agreed between ranks come next (dist.py).
+
+Importing this module does not import torch (``import ravex`` stays light);
+constructing a session does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+from ravex_convert.errors import IncompleteCheckpointError, RavexError
+
+from . import config as _config
+from .config import Config, load_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from ravex_convert.model import Checkpoint
+
+    from .sampler import LoaderState
+    from .state import Snapshot, Tracked
+
+__all__ = ["Session"]
+
+log = logging.getLogger("ravex")
+# The background writer copies with one thread and at a lower CPU priority (nice +10, Linux: per
+# thread), so that training, which owns the other cores, is not slowed by its own checkpoints.
+WRITER_THREADS = 1
+WRITER_NICE = 10
+
+
+# ---------------------------------------------------------------- fork safety
+
+_open: list[Session] = []  # the open sessions of this process, for the fork hooks
+_fork_hooks = False
+
+
+def _before_fork() -> None:
+    # DataLoader workers are forked: no write may be in flight, or the child would inherit the
+    # writer's lock on the store (an flock lives as long as any copy of its descriptor).
+    for s in _open:
+        s._store_lock.acquire()
+
+
+def _after_fork_parent() -> None:
+    for s in _open:
+        s._store_lock.release()
+
+
+def _after_fork_child() -> None:
+    # The child (a worker) never writes; nor may it keep the store's run lock after its parent is gone.
+    for s in _open:
+        s._store_lock.release()
+        if s._lock_fd is not None:
+            os.close(s._lock_fd)
+            s._lock_fd = None
+    _open.clear()
+
+
+def _register_fork_hooks() -> None:
+    global _fork_hooks
+    if not _fork_hooks:  # once, at the first session: nothing happens at import
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
+        _fork_hooks = True
+
+
+def _background_priority() -> None:
+    """Lower the calling thread's priority (threads it starts inherit it); best effort."""
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    if sys.platform != "linux":  # elsewhere PRIO_PROCESS with a thread id would renice the process
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE)
+    except OSError:
+        pass
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the world size, from torch.distributed when a process group is initialized."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return 0, 1
+
+
+# ---------------------------------------------------------------- helpers
+
+
+class _Unset:
+    """A keyword not given (for keywords where None means something: keep_last=None keeps every checkpoint)."""
+
+
+_UNSET = _Unset()
+
+
+def _many(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _alive(refs: list[weakref.ref[Any]]) -> list[Any]:
+    return [x for r in refs if (x := r()) is not None]
+
+
+def _has_state(m: torch.nn.Module) -> bool:
+    return next(iter(m.parameters()), None) is not None or next(iter(m.buffers()), None) is not None
+
+
+class _Counted:
+    """A DataLoader iterator through :meth:`Session.iterate`: counts the batches handed out."""
+
+    def __init__(self, inner: Any, st: LoaderState):
+        self._inner, self._st = inner, st
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        self._st.consumed += 1
+        return batch
+
+
+# ---------------------------------------------------------------- the session
+
+
+class Session:
+    """Checkpointing of one training run on this rank, driven by the caller.
+
+    ``Session(config)`` takes a :class:`~ravex_runtime.config.Config`; ``Session()``
+    reads the configuration the decorator would (defaults < ``ravex.yaml`` <
+    ``RAVEX_*``), and keywords override it: ``path`` (the store, ``storage.path``),
+    ``keep_last`` (None keeps all), ``backend`` (``native`` or ``torch_save``),
+    ``compression``, ``resume_from``, ``fresh``. ``checkpoint_every`` and
+    ``max_steps`` are the decorator's: a session captures when it is told to.
+    ``on_error(why)`` is called on the writer thread when a background write fails.
+
+    Construction takes the store (its run lock, its writer thread); :meth:`close`,
+    or leaving a ``with`` block, gives it back. The surface::
+
+        session.track(model=m, optimizer=opt, scheduler=sched, scaler=scaler, loader=loader, ema=ema)
+        step = session.restore()            # None: nothing to resume
+        for batch in session.iterate(loader):   # continues a restored epoch; counts the position
+            ...
+            session.commit(session.capture(step))   # wait=True: written when it returns
+        session.flush()                     # every committed checkpoint written (or raises)
+
+    Messages go to the ``ravex`` logger. The decorator adds a handler for its run
+    (stderr or ``log_file``); a session leaves logging to the program (without a
+    handler, Python prints warnings and errors to stderr). Do not open a session
+    inside a ``@ravex.train_loop`` function: the decorator already drives one.
+    """
+
+    def __init__(self, config: Config | None = None, *, path: str | os.PathLike[str] | None = None,
+                 keep_last: int | None | _Unset = _UNSET, backend: str | None = None, compression: str | None = None,
+                 resume_from: str | os.PathLike[str] | int | None | _Unset = _UNSET, fresh: bool | None = None,
+                 run_id: str | None = None, on_error: Callable[[str], None] | None = None) -> None:
+        given: dict[str, Any] = {}
+        if path is not None:
+            given["storage.path"] = os.fspath(path)
+        if not isinstance(keep_last, _Unset):
+            given["keep_last"] = keep_last
+        if backend is not None:
+            given["backend"] = backend
+        if compression is not None:
+            given["compression"] = compression
+        if not isinstance(resume_from, _Unset):
+            given["resume_from"] = os.fspath(resume_from) if isinstance(resume_from, os.PathLike) else resume_from
+        if fresh is not None:
+            given["fresh"] = fresh
+        cfg = load_config() if config is None else config
+        if given:
+            cfg = dataclasses.replace(cfg)
+            _config._apply(cfg, given, "ravex.Session()", Path.cwd(), env=False)
+        self.config = cfg
+        self.path = Path(cfg.storage_path)
+        self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+        self.rank, self.world_size = _rank_and_world_size()
+        self.error: str | None = None  # why writing stopped: the first background write that failed
+        self.last_index: int | None = None  # the index of the last checkpoint written
+        self.writes = 0
+        self._on_error = on_error
+        # What is tracked. Weak references: the decorator notices every module, optimizer and loader
+        # as it is built, and one built and dropped inside the loop must be let go. track() also
+        # holds a strong reference, until close().
+        self._modules: list[weakref.ref[torch.nn.Module]] = []
+        self._module_set: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._roots_cache: tuple[tuple[int, int], list[weakref.ref[torch.nn.Module]]] | None = None
+        self._optimizers: list[weakref.ref[Any]] = []
+        self._schedulers: list[weakref.ref[Any]] = []
+        self._scalers: list[weakref.ref[Any]] = []
+        self._loaders: list[tuple[weakref.ref[Any], LoaderState]] = []
+        self._named: dict[str, Any] = {}
+        self._held: list[Any] = []
+        # The checkpoint restore() will use (loaded ahead by prepare_restore()), the older ones to
+        # fall back on, and the ones skipped: the resumed one is pinned, and a skipped one of this
+        # store stops keep_last from pruning.
+        from .restore import Resume
+
+        self._resume = Resume(self.path, cfg.backend, cfg.source)
+        self._prepared = False
+        self._warned_prune = False
+        # The writer: one snapshot queued while one is written; buffers of the last snapshot written,
+        # reused by the next capture (Snapshot.spare).
+        self._queue: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
+        self._writer: threading.Thread | None = None
+        self._lock_fd: int | None = None
+        self._store_lock = threading.Lock()
+        self._spare: dict[str, torch.Tensor] = {}
+        self._spare_lock = threading.Lock()
+        self._closed = False
+        _register_fork_hooks()
+        self._take_lock()
+        self._writer = threading.Thread(target=self._write_loop, name="ravex-writer", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------ the store
+
+    def _take_lock(self) -> None:
+        store = self.path
+        if store.exists() and not store.is_dir():
+            raise RavexError(f"storage.path {store} exists and is not a directory", hint=f"set storage.path in {self.config.source} to a directory")
+        store.mkdir(parents=True, exist_ok=True)
+        if not (store / "ravex-store.json").is_file():
+            from .loading import TS_FILE
+
+            self._refuse_unmarked(store)
+            other = [p.name for p in store.iterdir()
+                     if p.name not in ("lock", "manifest.json", "checkpoints") and ".tmp-" not in p.name and not TS_FILE.fullmatch(p.name)]
+            if other:
+                raise RavexError(f"storage.path {store} is not a Ravex store and not empty (it holds {', '.join(sorted(other)[:5])})",
+                                 hint=f"point storage.path in {self.config.source} at a new or empty directory", path=store)
+        # The run lock is a flock on the store directory itself; the writer's own lock (<store>/lock)
+        # is taken per write, so the two never meet in one process.
+        fd = os.open(store, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RavexError(f"{store}: another training run is using this checkpoint store",
+                                 hint="only one run may write to a store at a time: stop the other run, or set storage.path (RAVEX_STORAGE_PATH) to another directory",
+                                 path=store) from None
+            raise
+        self._lock_fd = fd
+        _open.append(self)
+
+    def _refuse_unmarked(self, store: Path) -> None:
+        """A directory holding a store's manifest or checkpoints but no marker is a damaged store, not an
+        empty directory: starting over there would discard its checkpoints."""
+        held = [n for n in ("manifest.json", "checkpoints") if os.path.lexists(store / n)]
+        if held == ["checkpoints"] and (store / "checkpoints").is_dir() and not (store / "checkpoints").is_symlink() \
+                and not any((store / "checkpoints").iterdir()):
+            held = []  # an empty checkpoints/ is what an interrupted creation leaves: nothing to lose
+        if held:
+            raise IncompleteCheckpointError(
+                f"storage.path {store} holds {' and '.join(held)} of a Ravex store but not its marker ravex-store.json; "
+                "Ravex does not take it for an empty directory (that would start over and discard its checkpoints)",
+                hint=f"if it is your store, put its ravex-store.json back (a copy, or see docs/format.md section 2); "
+                     f"to start a new run, set storage.path in {self.config.source} to a new directory", path=store / "ravex-store.json")
+
+    def close(self) -> None:
+        """Wait for the writes in flight, stop the writer and give the store back. Does not raise
+        for a failed write (call :meth:`flush` first to know); closing twice is harmless."""
+        if self._closed:
+            return
+        self._drain()
+        self._closed = True
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+        self._held = []
+        with self._spare_lock:
+            self._spare = {}
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if self in _open:
+            _open.remove(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ what is tracked
+
+    def track(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None, loader: Any = None,
+              **named: Any) -> None:
+        """Save and restore these objects. Each kind takes one object or a list; the order counts
+        (the first optimizer is saved by parameter name, the others whole; loaders are matched by
+        order). ``model``: ``torch.nn.Module`` s (the one owning the first optimizer's parameters
+        is "the model", saved as ``model/<fqn>``); ``optimizer``: ``torch.optim`` optimizers (or
+        anything with ``param_groups``, ``state_dict()`` and ``load_state_dict()``); ``scheduler``,
+        ``scaler``: LR schedulers, GradScalers; ``loader``: DataLoaders, whose position is kept
+        when they are iterated through :meth:`iterate`; any other keyword names an object with
+        ``state_dict()``/``load_state_dict()`` (an EMA, a custom sampler, a framework's progress).
+
+        Track everything before :meth:`restore`: what is not tracked then is not restored.
+        The session keeps a reference to each object until :meth:`close`. Checked first: an
+        object of the wrong kind raises with nothing tracked."""
+        import torch
+
+        def need(ok: bool, what: str, obj: Any, expect: str) -> None:
+            if not ok:
+                raise RavexError(f"Session.track({what}=...): {type(obj).__name__} is not {expect}",
+                                 hint=f"pass {expect} as {what}=, or another stateful object under a name of its own (name=obj)")
+
+        models, opts, scheds, scalers, loaders = _many(model), _many(optimizer), _many(scheduler), _many(scaler), _many(loader)
+        for m in models:
+            need(isinstance(m, torch.nn.Module), "model", m, "a torch.nn.Module")
+        for o in opts:
+            need(hasattr(o, "param_groups") and _stateful(o), "optimizer", o, "an optimizer (param_groups, state_dict, load_state_dict)")
+        for s in scheds:
+            need(_stateful(s), "scheduler", s, "an LR scheduler (state_dict, load_state_dict)")
+        for s in scalers:
+            need(_stateful(s), "scaler", s, "a GradScaler (state_dict, load_state_dict)")
+        for ld in loaders:
+            need(isinstance(ld, torch.utils.data.DataLoader), "loader", ld, "a torch.utils.data.DataLoader")
+        for name, obj in named.items():
+            if not _stateful(obj):
+                raise RavexError(f"Session.track({name}=...): {type(obj).__name__} has no state_dict()/load_state_dict()",
+                                 hint="track objects that can save and load their state")
+        self._held.extend([*models, *opts, *scheds, *scalers, *loaders])
+        for m in models:
+            self.notice_module(m)
+        for o in opts:
+            self.notice_optimizer(o)
+        for s in scheds:
+            self.notice_scheduler(s)
+        for s in scalers:
+            self.notice_scaler(s)
+        for ld in loaders:
+            self.notice_loader(ld)
+        for name, obj in named.items():
+            self.notice_stateful(name, obj)
+
+    # The notice_* methods are what the decorator's patches call as objects are built (weak
+    # references, idempotent); track() checks its arguments and calls them.
+
+    def notice_module(self, m: torch.nn.Module) -> None:
+        if m in self._module_set:
+            return
+        self._module_set.add(m)
+        self._modules.append(weakref.ref(m))
+        if len(self._modules) > 2 * len(self._module_set) + 64:
+            self._modules = [r for r in self._modules if r() is not None]  # modules built and dropped inside the loop
+
+    def notice_optimizer(self, opt: Any) -> int | None:
+        """Its position among the optimizers when it is new (0: the first), None when it was known."""
+        if any(r() is opt for r in self._optimizers):
+            return None
+        self._optimizers.append(weakref.ref(opt))
+        return len(self._optimizers) - 1
+
+    def notice_scheduler(self, s: Any) -> None:
+        if not any(r() is s for r in self._schedulers):
+            self._schedulers.append(weakref.ref(s))
+
+    def notice_scaler(self, s: Any) -> None:
+        if not any(r() is s for r in self._scalers):
+            self._scalers.append(weakref.ref(s))
+
+    def notice_loader(self, loader: Any) -> LoaderState:
+        """The loader's position (made when the loader is new)."""
+        from .sampler import LoaderState
+
+        for r, st in self._loaders:
+            if r() is loader:
+                return st
+        st = LoaderState(loader, len(self._loaders))
+        self._loaders.append((weakref.ref(loader), st))
+        return st
+
+    def notice_stateful(self, name: str, obj: Any) -> None:
+        """An object saved whole by name, under ``tracked/<name>`` (held strongly)."""
+        if not _stateful(obj):
+            raise RavexError(f"cannot track {name!r} ({type(obj).__name__}): the object has no state_dict()/load_state_dict()",
+                             hint="track objects that can save and load their state")
+        self._named[name] = obj
+
+    def tracked(self) -> Tracked:
+        """The live objects a capture would save now, held strongly by the view."""
+        from .state import Tracked
+
+        return Tracked(models=self._roots(), optimizers=_alive(self._optimizers), schedulers=_alive(self._schedulers),
+                       scalers=_alive(self._scalers), loaders=[(r(), st) for r, st in self._loaders], named=dict(self._named))
+
+    def _roots(self) -> list[torch.nn.Module]:
+        key = (len(self._modules), len(self._optimizers))
+        if self._roots_cache is not None and self._roots_cache[0] == key and all(r() is not None for r in self._roots_cache[1]):
+            return [m for r in self._roots_cache[1] if (m := r()) is not None]
+        roots = self._find_roots()
+        self._roots_cache = (key, [weakref.ref(m) for m in roots])
+        return roots
+
+    def _find_roots(self) -> list[torch.nn.Module]:
+        mods = _alive(self._modules)
+        children: set[int] = set()
+        for m in mods:
+            for c in m.modules():
+                if c is not m:
+                    children.add(id(c))
+        # Roots that hold state, the one owning the first optimizer's parameters first: that one is "the model"
+        # (model/<fqn>); a loss module built earlier holds no state and is left out.
+        roots = [m for m in mods if id(m) not in children and _has_state(m)]
+        opt = next(iter(_alive(self._optimizers)), None)
+        if opt is not None:
+            first = {id(p) for g in opt.param_groups for p in g["params"]}
+            roots.sort(key=lambda m: not any(id(p) in first for p in m.parameters()))
+        return roots
+
+    def iterate(self, loader: Any) -> Iterator[Any]:
+        """``iter(loader)`` that keeps the loader's position: after :meth:`restore`, the first call
+        continues the saved epoch (same order, same random draws, the batches already trained on
+        passed over), later calls the epochs after it; batches handed out are counted, so a
+        capture knows where the epoch stands. What the decorator does for every ``iter(loader)``.
+        A loader not tracked yet is tracked (it has no saved position to continue)."""
+        import torch
+
+        st = self.notice_loader(loader)
+        inner = st.make_iter(loader, type(loader).__iter__, torch.get_rng_state())
+        return _Counted(inner, st)
+
+    # ------------------------------------------------------------ capture and commit
+
+    def capture(self, step: int) -> Snapshot:
+        """Copy the state now, on this thread: what :meth:`commit` writes as the checkpoint of ``step``.
+
+        Call it at an iteration boundary — after the optimizer and the schedulers stepped, before
+        the next batch is drawn — so the copy is the state the next step starts from. It is a
+        copy of every tensor into buffers the writer has finished with (about one ``memcpy`` of
+        the state from the second capture on); once committed, the snapshot belongs to the writer.
+        Saved: the models, optimizers, schedulers, scalers and named objects tracked, the Python,
+        NumPy, torch and CUDA random states, and each loader's position."""
+        from .state import capture
+
+        if self._closed:
+            raise RavexError(f"{self.path}: Session.capture() on a closed session", hint="capture before close()")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise RavexError(f"Session.capture(step={step!r}): the step must be a non-negative integer", hint="pass the optimizer step just finished")
+        t = self.tracked()
+        if not t.models:
+            raise RavexError(f"Session.capture(step={step}): no model is tracked (or it is gone); nothing to checkpoint",
+                             hint="session.track(model=model, optimizer=optimizer, ...) first")
+        with self._spare_lock:
+            spare, self._spare = self._spare, {}
+        return capture(t, step, spare, {"ravex_run_id": self.run_id})
+
+    def commit(self, snapshot: Snapshot, wait: bool = False) -> None:
+        """Hand ``snapshot`` to the background writer, which adds it to the store as a new checkpoint
+        (committed atomically: a crash leaves the previous one loadable) and applies ``keep_last``.
+        Returns at once, unless a write is queued already (then it waits for room: one is queued
+        while one is written); ``wait=True`` returns when it is written, or raises. After a write
+        failed (disk full, permissions) the session writes nothing more, and every commit raises."""
+        if self._closed:
+            raise RavexError(f"{self.path}: Session.commit() on a closed session", hint="commit before close()")
+        if self.error is not None:
+            raise RavexError(f"{self.path}: the checkpoint of step {snapshot.step} is not written: an earlier write failed ({self.error})",
+                             hint="fix the cause (disk space, permissions) and open a new Session", path=self.path)
+        self._queue.put(snapshot)
+        if wait:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait until every committed snapshot is written; raises when a write failed."""
+        self._drain()
+        if self.error is not None:
+            raise RavexError(f"{self.path}: a checkpoint could not be written: {self.error}",
+                             hint="fix the cause (disk space, permissions) and open a new Session", path=self.path)
+
+    def _drain(self) -> None:
+        """Wait for the writer, never raising (the decorator's flush: failures never reach training)."""
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.join()
+
+    def _write_loop(self) -> None:
+        _background_priority()
+        while True:
+            snap = self._queue.get()
+            try:
+                if snap is None:
+                    return
+                if self.error is None:
+                    self._write(snap)
+            except Exception as exc:  # noqa: BLE001 - a failing write stops writing; training goes on
+                log.error("ravex: writing the checkpoint of step %d to %s failed: %s", snap.step if snap else -1, self.path, exc)
+                self.error = f"checkpoint write failed: {exc}"
+                if self._on_error is not None:
+                    try:
+                        self._on_error(self.error)
+                    except Exception:  # the owner's handler must not stop the writer
+                        log.exception("ravex: the write-error handler failed")
+            finally:
+                if snap is not None and self.error is None and not self._closed:
+                    with self._spare_lock:
+                        self._spare = snap.tensors  # written: the next capture may overwrite them
+                self._queue.task_done()
+
+    def _write(self, snap: Snapshot) -> None:
+        from ravex_convert._output import Options
+        from ravex_convert.formats import native_write
+
+        from .state import to_checkpoint
+
+        ckpt = to_checkpoint(snap, self.path)
+        if self.config.backend == "torch_save":
+            with self._store_lock:
+                self._write_torch_save(ckpt)
+            return
+        opts = Options(compression=None if self.config.compression == "none" else self.config.compression, threads=WRITER_THREADS)
+        with self._store_lock:
+            result = native_write.write(ckpt, self.path, opts, run_id=self.run_id.replace(".", "-"))
+            for w in result.get("warnings", []):
+                log.warning("ravex: %s", w)
+            self.last_index = int(result["index"])
+            self.writes += 1
+            if self.config.keep_last is not None and self._may_prune():
+                pinned = {self.resumed_index} if self.resumed_index is not None else set()
+                native_write.prune(self.path, self.config.keep_last, pinned=pinned)
+
+    def _write_torch_save(self, ckpt: Checkpoint) -> None:
+        """One ``ckpt-<index>.pt`` per checkpoint, in the portable torch.save layout (written to a
+        temporary name and renamed into place by the torch_save writer); keep_last by file."""
+        from ravex_convert._output import Options
+        from ravex_convert.formats import torch_save
+
+        from .loading import torch_save_files
+
+        files = torch_save_files(self.path)
+        index = max(files, default=-1) + 1
+        torch_save.write(ckpt, self.path / f"ckpt-{index:08d}.pt", Options(threads=WRITER_THREADS))
+        self.last_index = index
+        self.writes += 1
+        if self.config.keep_last is not None and self._may_prune():
+            files = torch_save_files(self.path)
+            for i in list(files)[:-self.config.keep_last]:
+                if i != self.resumed_index:
+                    files[i].unlink()
+
+    def _may_prune(self) -> bool:
+        """keep_last is not applied in a run that skipped a checkpoint of its store it could not read or
+        restore: the store is kept whole (the skipped ones for inspection, every good one) until a run
+        resumes from its newest checkpoint."""
+        if not self._resume.unrestorable:
+            return True
+        if not self._warned_prune:
+            self._warned_prune = True
+            log.warning("ravex: keep_last is not applied in this run: checkpoint(s) %s of %s could not be read or restored, so nothing is pruned; "
+                        "inspect them with `ravex status`", ", ".join(str(i) for i in self._resume.unrestorable), self.path)
+        return False
+
+    # ------------------------------------------------------------ restore
+
+    def prepare_restore(self) -> int | None:
+        """Load and verify now the checkpoint :meth:`restore` will put in (the configured
+        ``resume_from``, else the newest complete one; nothing with ``fresh``); its step, or None
+        when there is nothing to resume. Optional: for errors before the training loop is built
+        (a store whose checkpoints are all damaged raises :class:`ResumeError` here)."""
+        self._resume.pending = None if self.config.fresh else self._resume.find(self.config.resume_from)
+        self._prepared = True
+        return int(self._resume.pending[0].step or 0) if self._resume.pending is not None else None
+
+    def restore(self, index: int | None = None) -> int | None:
+        """Put a checkpoint into the tracked objects, all or nothing; returns its step, or None when
+        there is nothing to resume (an empty store, or ``fresh``).
+
+        ``index=None``: the configured ``resume_from``, else the newest complete checkpoint; one
+        that is damaged (a checksum fails) or does not fit the live objects (another model, another
+        optimizer: every name, shape, dtype, parameter group and random state is checked before
+        anything is touched) is reported on the log and the one before it tried. An index: that
+        checkpoint of the store only (``-1`` the newest). When none fits, :class:`ResumeError`
+        lists each one tried, with the live objects untouched. A restore failing midway puts the
+        objects back; should that fail too, :class:`ResumeError` says the objects hold part of a
+        checkpoint and the run must stop.
+
+        Restored: what :meth:`capture` saves; the loaders' positions are taken up by the next
+        :meth:`iterate`. Track everything first."""
+        if index is not None:
+            self._resume.pending = self._resume.find(index)
+        elif not self._prepared:
+            self.prepare_restore()
+        self._prepared = False
+        return self._resume.restore(self.tracked())
+
+    @property
+    def resumed_index(self) -> int | None:
+        """The index in this store of the checkpoint restored (or being tried); None when it is not one of this store's."""
+        return self._resume.index
+
+    @property
+    def resume_label(self) -> str:
+        """``checkpoint <index> (step <step>) of <store>``: the checkpoint restored, for messages ('' before any)."""
+        return self._resume.label
+
+    def apply(self, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], *, weights_only: bool = False, where: str = "the checkpoint") -> int | None:
+        """Put this loaded checkpoint into the tracked objects, all or nothing (``ravex.restore``):
+        one that does not fit raises (:class:`~ravex_convert.errors.LayoutMismatchError`,
+        :class:`~ravex_convert.errors.CorruptCheckpointError`) with nothing touched. Returns the
+        step it saved (None with ``weights_only``, which loads the models only)."""
+        from .restore import restore_into
+
+        return restore_into(self.tracked(), ckpt, tensors, weights_only=weights_only, where=where)
