@@ -21,7 +21,7 @@ from ._output import durable, fsync_dir
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
 
-__all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "chunk_bytes", "core_region", "flat_range", "page_residue", "read_into", "source_bytes", "vote_residue"]
+__all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "chunk_bytes", "core_region", "flat_range", "page_residue", "read_into", "read_many", "source_bytes", "vote_residue"]
 
 
 def core_region(region: Region) -> tuple[Any, ...]:
@@ -269,22 +269,32 @@ class CopyJob:
         return [int(c) for c in found if c is not None]
 
 
-def read_into(tensor: LogicalTensor, out: bytearray | memoryview, dtype: str | None = None, *, threads: int = 1) -> None:
+def read_into(tensor: LogicalTensor, out: bytearray | memoryview, dtype: str | None = None, *, threads: int = 0) -> None:
     """The whole of ``tensor``, row-major in ``dtype`` (default: its own; floats are
-    cast), written by the Rust executor straight into ``out`` (a live tensor's
-    bytes: ``memoryview(t.view(torch.uint8).numpy())`` of a contiguous CPU
-    tensor), which must be exactly that many bytes. Nothing else may use ``out``
-    until this returns. Compressed chunks are decoded first, in bounded pieces."""
-    dt = dtype or tensor.dtype
-    view = memoryview(out)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")  # a C-contiguous array of any shape, as flat bytes
-    want = tensor.numel * itemsize(dt)
-    if len(view) != want:
-        raise RavexError(f"tensor '{_shown_name(tensor.name)}': {len(view)} bytes to restore into, {want} needed")  # Ravex's own bug
-    job = CopyJob(table=SourceTable(defer=False))
-    ti = job.target(view)
-    job.add(tensor, [Target(ti, 0, flat_all(tensor), dt)])
+    cast), written by the Rust executor straight into ``out``; see :func:`read_many`."""
+    read_many([(tensor, out, dtype)], threads=threads)
+
+
+def read_many(items: list[tuple[LogicalTensor, bytearray | memoryview, str | None]], *, threads: int = 0) -> None:
+    """Each logical tensor, whole and row-major in its dtype (or the one given:
+    floats are cast), written by the Rust executor straight into its buffer (a
+    live tensor's bytes: ``memoryview(t.view(torch.uint8).numpy())`` of a
+    contiguous CPU tensor), which must be exactly that many bytes; one job for
+    all of them. Nothing else may use the buffers until this returns.
+    Compressed chunks are decoded first, in bounded pieces; chunks that do not
+    cover a tensor, or bytes that are not what the metadata says, raise
+    :class:`CorruptCheckpointError` before anything is written."""
+    job = CopyJob()
+    for tensor, out, dtype in items:
+        dt = dtype or tensor.dtype
+        view = memoryview(out)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")  # a C-contiguous array of any shape, as flat bytes
+        want = tensor.numel * itemsize(dt)
+        if len(view) != want:
+            raise RavexError(f"tensor '{_shown_name(tensor.name)}': {len(view)} bytes to restore into, {want} needed")  # Ravex's own bug
+        if want:
+            job.add(tensor, [Target(job.target(view), 0, flat_all(tensor), dt)])
     job.run(sync=False, threads=threads, writeback=False)
 
 

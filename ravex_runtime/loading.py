@@ -11,21 +11,23 @@ import torch
 from ravex_convert.errors import RavexError
 from ravex_convert.model import MODEL, OPTIM, Checkpoint
 
-from .state import from_bytes
+from .state import tensor_view
 
 __all__ = ["TS_FILE", "load_checkpoint", "load_torch_save", "torch_save_files"]
 
 
 def load_checkpoint(path: Path, index: int = -1) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
-    """A checkpoint of a native store (checksums verified) and its tensors."""
-    from ravex_convert.convert import materialize
+    """A checkpoint of a native store (checksums verified) and its tensors, each
+    read by the Rust executor straight into a new CPU tensor (one job for all)."""
+    from ravex_convert._engine import read_many
     from ravex_convert.formats import native
 
     ckpt = native.read(path, index)
     native.verify_chunks(ckpt)
     tensors: dict[str, torch.Tensor] = {}
     for name, t in ckpt.tensors.items():
-        tensors[name] = from_bytes(materialize(t) if t.chunks else b"", t.dtype, tuple(t.shape))
+        tensors[name] = torch.empty(tuple(t.shape), dtype=getattr(torch, t.dtype))
+    read_many([(t, tensor_view(tensors[name]), None) for name, t in ckpt.tensors.items() if t.numel])
     for alias, target in ckpt.aliases.items():
         tensors[alias] = tensors[target]
     return ckpt, tensors

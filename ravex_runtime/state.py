@@ -24,7 +24,7 @@ from ravex_convert.model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, Logic
 if TYPE_CHECKING:
     from .sampler import LoaderState
 
-__all__ = ["Snapshot", "Tracked", "capture", "capture_rng", "from_bytes", "restore_rng", "tensor_view", "to_checkpoint", "unflatten"]
+__all__ = ["Snapshot", "Tracked", "capture", "capture_rng", "restore_rng", "tensor_view", "to_checkpoint", "unflatten"]
 
 
 @dataclass
@@ -181,13 +181,6 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, in place (no copy): the writer reads
     the snapshot's own memory, which nothing changes until it is handed back."""
     return t.reshape(-1).view(torch.uint8).numpy().data
-
-
-def from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    dt = getattr(torch, dtype)
-    if not data:
-        return torch.empty(shape, dtype=dt)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(shape).clone()
 
 
 def to_checkpoint(snap: Snapshot, path: Any) -> Checkpoint:
