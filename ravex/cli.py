@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 import ravex_convert
-from ravex_convert import _core
+from ravex_convert import _core, _dist
 from ravex_convert.errors import INTERNAL_EXIT, CorruptCheckpointError, RavexError, from_os_error
+from ravex_convert.formats import registry
 from ravex_convert.info import CheckpointInfo
 
 if TYPE_CHECKING:
@@ -43,9 +44,10 @@ def _console(stderr: bool = False) -> Console:
 
 
 def _fail(exc: RavexError) -> NoReturn:
-    _say(f"error: {exc.message}", stderr=True)
+    who = f"[rank {_dist.rank()}] " if _dist.launched() else ""  # under torchrun every rank says what stopped it
+    _say(f"{who}error: {exc.message}", stderr=True)
     if exc.hint:
-        _say(f"hint: {exc.hint}", stderr=True)
+        _say(f"{who}hint: {exc.hint}", stderr=True)
     sys.exit(exc.exit_code)
 
 
@@ -178,7 +180,7 @@ _NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (
 @main.command("convert")
 @click.argument("src", type=click.Path(path_type=str, readable=False))
 @click.argument("dst", type=click.Path(path_type=str, readable=False))
-@click.option("--to", "to", default=None, type=click.Choice(["safetensors", "torch_save", "native", "dcp", "zero"]),
+@click.option("--to", "to", default=None, type=click.Choice(list(registry.targets())),
               help="Output format. Without it, taken from DST's name (.safetensors: safetensors; .pt, .pth, .bin: torch_save) and said so.")
 @click.option("--weights-only", is_flag=True, help="Leave the optimizer state and other training state out.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default=None,
@@ -220,6 +222,8 @@ def convert_cmd(src: str, dst: str, to: str | None, weights_only: bool, dtype: s
 
 
 def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
+    if _dist.rank() != 0:
+        return  # under torchrun rank 0 speaks for the output it committed
     to = result["to"]
     if as_json:
         click.echo(json.dumps(result, indent=2, default=str))
@@ -307,8 +311,9 @@ def _read_names(path: str | None) -> list[str] | None:
 
 @contextlib.contextmanager
 def _progress(quiet: bool) -> Iterator[Callable[[int], None] | None]:
-    """A rich progress bar on stderr (bytes, rate, ETA); none when quiet or not a terminal."""
-    if quiet or not sys.stderr.isatty():
+    """A rich progress bar on stderr (bytes, rate, ETA); none when quiet, not a
+    terminal, or not rank 0 under torchrun (which shows rank 0's share)."""
+    if quiet or not sys.stderr.isatty() or _dist.rank() != 0:
         yield None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn

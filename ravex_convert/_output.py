@@ -70,7 +70,7 @@ def select(ckpt: Checkpoint, opts: Options) -> Checkpoint:
         new = _strip(name, opts.strip_prefix)
         if new in out.tensors:
             raise RavexError(f"--strip-prefix makes two tensors one name: '{new}'", hint="strip a prefix that not every name shares, or none")
-        out.tensors[new] = LogicalTensor(new, t.shape, t.dtype, t.chunks)
+        out.tensors[new] = t.renamed(new)
     for alias, target in ckpt.aliases.items():
         if opts.weights_only and not alias.startswith(MODEL):
             continue

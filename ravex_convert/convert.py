@@ -10,23 +10,25 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
 from . import _core
 from ._dist import current, spread
-from ._engine import SourceTable, chunk_bytes
+from ._engine import SourceTable, chunk_bytes, read_many
 from ._limits import MAX_EXPANSION_ENV, max_expansion
 from ._output import Options, durability, out_dtype, select
 from .detect import detect, inspect, read_checkpoint
 from .errors import CorruptCheckpointError, LayoutMismatchError, RavexError
-from .formats import native, safetensors, torch_save
+from .formats import native, registry
 from .model import MODEL, OBJ, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
 
 __all__ = ["RESHARDABLE", "TARGETS", "convert", "infer_target", "left_out", "load_state_dict", "materialize", "parse_size", "reshard"]
 
-TARGETS = ("safetensors", "torch_save", "native", "dcp", "zero")
-RESHARDABLE = ("zero", "dcp", "native")
+# From the registry (formats/registry.py), as registered when this module is imported.
+TARGETS = registry.targets()
+RESHARDABLE = registry.reshardable()
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
           "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
@@ -331,24 +333,12 @@ def _key(p: Path) -> str:
 def _write(out: Checkpoint, dst: Path, to: str, opts: Options, progress: Callable[[int], None] | None, *, zero_stage: int | None,
            precision: str | None, buffers: Sequence[str] | None, hyperparameters: Sequence[dict[str, Any]] | None,
            metadata_form: str) -> dict[str, Any]:
-    if to == "safetensors":
-        result = safetensors.write(out, dst, opts, progress)
-    elif to == "torch_save":
-        result = torch_save.write(out, dst, opts, progress)
-    elif to == "zero":
-        from .formats import zero_write
-
-        assert zero_stage is not None  # checked above
-        result = zero_write.write(out, dst, opts, progress, zero_stage=zero_stage, precision=precision,
-                                  buffers=buffers, hyperparameters=hyperparameters)
-    elif to == "dcp":
-        from .formats import dcp_write
-
-        result = dcp_write.write(out, dst, opts, progress, metadata_form=metadata_form)
-    else:
-        from .formats import native_write
-
-        result = native_write.write(out, dst, opts, progress=progress)
+    """The target format's writer (from the registry), given the options it takes."""
+    write = registry.get(to).write
+    offered = {"progress": progress, "zero_stage": zero_stage, "precision": precision, "buffers": buffers,
+               "hyperparameters": hyperparameters, "metadata_form": metadata_form}
+    takes = signature(write).parameters
+    result: dict[str, Any] = write(out, dst, opts, **{k: v for k, v in offered.items() if k in takes})
     return result
 
 
@@ -421,11 +411,11 @@ def load_state_dict(path: str | Path, *, tag: str | None = None, index: int = -1
     if ckpt.format == "native":
         native.verify_chunks(ckpt, [n for n in ckpt.tensors if n.startswith(MODEL) or (optimizer and n.startswith(OPTIM))])
     tensors: dict[str, Any] = {}
-    for name, t in ckpt.tensors.items():
-        if name.startswith(MODEL) or (optimizer and name.startswith(OPTIM)):
-            data = bytearray(materialize(t))
-            dtype = getattr(torch, t.dtype)
-            tensors[name] = torch.frombuffer(data, dtype=dtype).reshape(t.shape) if data else torch.empty(t.shape, dtype=dtype)
+    wanted = [t for name, t in ckpt.tensors.items() if name.startswith(MODEL) or (optimizer and name.startswith(OPTIM))]
+    for t in wanted:
+        tensors[t.name] = torch.empty(tuple(t.shape), dtype=getattr(torch, t.dtype))
+    # the executor writes each tensor's bytes straight into its storage, one job for all
+    read_many([(t, memoryview(tensors[t.name].reshape(-1).view(torch.uint8).numpy()), None) for t in wanted if t.numel])
     for alias, target in ckpt.aliases.items():
         if target in tensors:
             tensors[alias] = tensors[target]

@@ -1,8 +1,10 @@
 """Which format is this path? Layout first, fields second, with reasons.
 
-``detect`` only looks at names and small files (a marker, ``latest``, a
-header); ``inspect`` then reads the format's metadata through its module.
-Neither imports torch nor executes anything from the checkpoint.
+``detect`` asks each registered format's sniffer in turn (the registry's
+detection order, ``formats/registry.py``), which look only at names and small
+files (a marker, ``latest``, a header); ``inspect`` and ``read_checkpoint``
+then hand the path to that format. Nothing here names a format. None of it
+imports torch or executes anything from the checkpoint.
 """
 
 from __future__ import annotations
@@ -11,21 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import NotFoundError, RavexError, UnknownFormatError, from_os_error
-from .formats import dcp, native, safetensors, torch_save, zero
+from .formats import registry
 from .info import CheckpointInfo
 from .model import Checkpoint
 
 __all__ = ["Detection", "detect", "inspect", "read_checkpoint"]
-
-# Order matters where layouts nest: a native store or a DCP directory may hold
-# safetensors or .pt files, and a ZeRO root holds .pt files.
-_SNIFFERS = (
-    ("native", native.sniff),
-    ("dcp", dcp.sniff),
-    ("zero", zero.sniff),
-    ("safetensors", safetensors.sniff),
-    ("torch_save", torch_save.sniff),
-)
 
 
 @dataclass
@@ -55,10 +47,10 @@ def detect(path: str | Path) -> Detection:
             raise NotFoundError(f"{p}: permission denied", hint="run as a user who can read the checkpoint", path=p) from None
         if not entries:
             raise UnknownFormatError(f"{p}: the directory is empty", hint="point Ravex at the directory the training run saved into", path=p)
-    for name, sniff in _SNIFFERS:
-        reasons = sniff(p)
+    for fmt in registry.formats():
+        reasons = fmt.sniff(p)
         if reasons:
-            return Detection(name, p, reasons)
+            return Detection(fmt.name, p, reasons)
     # A sniffer that cannot open a file sees no format in it: say that the file
     # cannot be read rather than that it is no checkpoint.
     _readable(p)
@@ -66,15 +58,21 @@ def detect(path: str | Path) -> Detection:
         seen = ", ".join(sorted(e.name for e in p.iterdir())[:6])
         raise UnknownFormatError(
             f"{p}: not a checkpoint Ravex recognises (it holds: {seen}{', ...' if len(list(p.iterdir())) > 6 else ''})",
-            hint="Ravex reads DeepSpeed ZeRO (a directory with 'latest' or *_optim_states.pt), DCP (.metadata), "
-            "torch.save files, safetensors and Ravex stores; point it at one of those",
+            hint=f"{_what_ravex_reads()}; point it at one of those",
             path=p,
         )
     raise UnknownFormatError(
-        f"{p}: not a checkpoint file Ravex recognises (neither a torch.save archive nor safetensors)",
-        hint="for a DeepSpeed or DCP checkpoint, pass the directory rather than a file inside it",
+        f"{p}: not a checkpoint file Ravex recognises",
+        hint=f"{_what_ravex_reads()}; for a checkpoint that is a directory, pass the directory rather than a file inside it",
         path=p,
     )
+
+
+def _what_ravex_reads() -> str:
+    """The formats Ravex reads, for a hint, from the registry (in the order people read them)."""
+    shown = [registry.get(n) for n in registry.names()]
+    parts = [f"{f.title} ({f.looks_like})" if f.looks_like else f.title for f in shown]
+    return "Ravex reads " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts))
 
 
 def _readable(p: Path) -> None:
@@ -91,33 +89,22 @@ def _readable(p: Path) -> None:
 
 def inspect(path: str | Path, *, tag: str | None = None, index: int = -1) -> CheckpointInfo:
     """Describe the checkpoint at ``path``: format, variant, world size, stage,
-    step, tensors, files. Reads metadata only; never loads tensor data."""
+    step, tensors, files. Reads metadata only; never loads tensor data.
+    ``tag`` and ``index`` pick one checkpoint where the format holds several
+    (a DeepSpeed tag, a store's index); formats holding one ignore them."""
     d = detect(path)
-    if d.format == "zero":
-        return zero.describe(d.path, d.reasons, tag=tag)
-    if d.format == "dcp":
-        return dcp.describe(d.path, d.reasons)
-    if d.format == "native":
-        return native.describe(d.path, d.reasons, index=index)
-    if d.format == "safetensors":
-        return safetensors.describe(d.path, d.reasons)
-    return torch_save.describe(d.path, d.reasons)
+    fmt = registry.get(d.format)
+    return fmt.describe(d.path, d.reasons, **fmt.given(tag=tag, index=index))
 
 
 def read_checkpoint(path: str | Path, *, tag: str | None = None, index: int = -1, param_names: list[str] | None = None) -> Checkpoint:
     """The checkpoint at ``path`` in the one model every format is read into
     (logical tensors located in their files; nothing loaded). ``param_names``:
     for a torch.save file whose optimizer state is keyed by position, the
-    parameter names in that order."""
+    parameter names in that order (refused for a format that takes none)."""
     d = detect(path)
-    if param_names is not None and d.format != "torch_save":
-        raise RavexError("--param-names applies to torch.save files with position-keyed optimizer state only", hint="leave it out")
-    if d.format == "zero":
-        return zero.read(d.path, tag=tag)
-    if d.format == "dcp":
-        return dcp.read(d.path)
-    if d.format == "native":
-        return native.read(d.path, index=index)
-    if d.format == "safetensors":
-        return safetensors.read(d.path)
-    return torch_save.read(d.path, param_names)
+    fmt = registry.get(d.format)
+    if param_names is not None and "param_names" not in fmt.options:
+        takers = [f.title for f in registry.formats() if "param_names" in f.options]
+        raise RavexError(f"--param-names applies to {' and '.join(takers)} with position-keyed optimizer state only", hint="leave it out")
+    return fmt.read(d.path, **fmt.given(tag=tag, index=index, param_names=param_names))

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FORMATS", "CheckpointInfo", "FileInfo", "OptimizerInfo", "TensorInfo"]
+__all__ = ["CheckpointInfo", "FileInfo", "OptimizerInfo", "TensorInfo"]
 
-FORMATS = ("zero", "dcp", "torch_save", "safetensors", "native")
+# The formats themselves are listed by the registry (formats/registry.py: ``names()``).
 NO_PARAM_MARKS = "parameters and buffers are not distinguished in a plain state dict; floating-point tensors are counted as parameters"
 
 

@@ -13,9 +13,13 @@ Logical names (the same as the native store's, docs/format.md section 10):
   group index or flat offset;
 - ``obj/<key>/<path>``: a tensor inside ``objects[key]`` (an RNG state).
 
-``objects`` holds JSON-able small state under well-known keys:
-``optim.param_groups`` (a list of hyper-parameter dicts whose ``params`` are
-parameter names), ``lr_scheduler``, ``loss_scaler``, ``step``, ``extra``.
+``objects`` holds the small state under the well-known keys of
+:mod:`ravex_convert.objects` (one schema, docs/format.md section 11).
+
+Each logical tensor of ``model/`` may say what it is (``kind``): a trained
+``parameter``, a ``frozen`` parameter (requires_grad False, no optimizer
+state) or a ``buffer``. None where the source does not say (a DCP or
+torch.save file cannot tell a frozen parameter from a buffer).
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from typing import Any
 
 from ._dtypes import DTYPE_SIZES
 
-__all__ = ["MODEL", "OBJ", "OPTIM", "Box", "Checkpoint", "Chunk", "Flat", "LogicalTensor", "Region", "TensorLink", "dim0_shards", "itemsize", "numel"]
+__all__ = ["BUFFER", "FROZEN", "KINDS", "MODEL", "OBJ", "OPTIM", "PARAMETER", "Box", "Checkpoint", "Chunk", "Flat", "LogicalTensor", "Region", "TensorLink", "dim0_shards", "itemsize", "numel"]
 
 MODEL = "model/"
 OPTIM = "optim/"
 OBJ = "obj/"
+
+PARAMETER, FROZEN, BUFFER = "parameter", "frozen", "buffer"
+KINDS = (PARAMETER, FROZEN, BUFFER)
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -139,6 +146,10 @@ class LogicalTensor:
     shape: tuple[int, ...]
     dtype: str
     chunks: list[Chunk] = field(default_factory=list)
+    kind: str | None = None  # model/ tensors: PARAMETER, FROZEN or BUFFER where the source says
+
+    def renamed(self, name: str) -> LogicalTensor:
+        return LogicalTensor(name, self.shape, self.dtype, self.chunks, self.kind)
 
     @property
     def numel(self) -> int:

@@ -131,19 +131,22 @@ def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, 
     token = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
     out = None
     begun: Any = None
+    refused: RavexError | None = None
     if group.rank == 0:
         try:
             out = storage.output(key, force=force, directory=plan.directory, token=token, create=True, staging=plan.staging)
             begun = "ok"
         except RavexError as exc:
-            begun = (exc.message, exc.hint)
-            if group.size == 1:
-                raise
+            refused = exc
         except OSError as exc:
+            refused = from_os_error(exc, path=Path(key), writing=True)
+        if refused is not None:
             if group.size == 1:
-                raise from_os_error(exc, path=Path(key), writing=True) from None
-            begun = (str(exc), "check the destination")
+                raise refused
+            begun = (refused.message, refused.hint)
     begun = group.broadcast(begun)
+    if refused is not None:
+        raise refused  # rank 0 says it in its own words; the others below
     if begun != "ok":
         raise RavexError(f"rank 0 could not begin the output: {begun[0]}", hint=begun[1])
     if out is None:

@@ -216,6 +216,19 @@ def _plan_stateful(objs: dict[str, Any], live: list[Any], base: str, what: str, 
     return out
 
 
+def _grad_scalers(objs: dict[str, Any]) -> dict[str, Any]:
+    """The AMP GradScaler states (``grad_scaler``, ``grad_scaler.<i>``). Stores written by
+    Ravex before 0.2 kept them under ``loss_scaler``, the key DeepSpeed's own loss scaler
+    has (``cur_scale``, ``dynamic``): those are read as GradScalers, a DeepSpeed one never is."""
+    ours = {k: v for k, v in objs.items() if k == "grad_scaler" or k.startswith("grad_scaler.")}
+    if ours:
+        return ours
+    old = {k: v for k, v in objs.items() if k == "loss_scaler" or k.startswith("loss_scaler.")}
+    if old and all(isinstance(v, dict) and "cur_scale" not in v for v in old.values()):
+        return {"grad_scaler" + k[len("loss_scaler"):]: v for k, v in old.items()}
+    return {}
+
+
 def _check_tree(live: Any, saved: Any, where: str, path: str) -> None:
     """Where the live state and the saved one both hold a tensor, shapes and dtypes agree."""
     if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
@@ -343,7 +356,7 @@ def plan(live: Tracked, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], weig
         return p
     p.optimizers = _plan_optimizers(live, objs, tensors, live.param_names(), where)
     p.stateful = [*_plan_stateful(objs, live.schedulers, "lr_scheduler", "LR scheduler", where),
-                  *_plan_stateful(objs, live.scalers, "loss_scaler", "GradScaler", where),
+                  *_plan_stateful(_grad_scalers(objs), live.scalers, "grad_scaler", "GradScaler", where),
                   *_plan_tracked(live, objs, where)]
     if "rng" in objs:
         _check_rng(objs["rng"], where)

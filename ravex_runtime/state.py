@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ravex_convert.errors import RavexError
-from ravex_convert.model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink
+from ravex_convert.model import BUFFER, FROZEN, MODEL, OBJ, OPTIM, PARAMETER, Box, Checkpoint, Chunk, LogicalTensor, TensorLink
 
 if TYPE_CHECKING:
     from .sampler import LoaderState
@@ -68,6 +68,7 @@ class Snapshot:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
     spare: dict[str, torch.Tensor] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)  # model/ tensor -> parameter, frozen or buffer
 
     def add(self, name: str, t: torch.Tensor) -> TensorLink:
         # A real copy: the training thread goes on changing the original in place.
@@ -101,6 +102,10 @@ def capture(live: Tracked, step: int, spare: dict[str, torch.Tensor], extra: dic
         for k, v in m.state_dict().items():
             if isinstance(v, torch.Tensor):
                 snap.add(f"{MODEL}{k}" if i == 0 else f"{OBJ}model.{i}/{k}", v)
+    if live.models:  # what each of the model's tensors is: a converter to ZeRO-3 needs it, and no file could tell it
+        m = live.models[0]
+        snap.kinds = {f"{MODEL}{n}": BUFFER for n, _ in m.named_buffers(remove_duplicate=False)}
+        snap.kinds.update({f"{MODEL}{n}": PARAMETER if p.requires_grad else FROZEN for n, p in m.named_parameters(remove_duplicate=False)})
     names = live.param_names()
     for i, opt in enumerate(live.optimizers):
         if i == 0:
@@ -110,7 +115,7 @@ def capture(live: Tracked, step: int, spare: dict[str, torch.Tensor], extra: dic
     for i, s in enumerate(live.schedulers):
         snap.objects["lr_scheduler" if i == 0 else f"lr_scheduler.{i}"] = snap.flatten(s.state_dict(), f"lr_scheduler.{i}")
     for i, s in enumerate(live.scalers):
-        snap.objects["loss_scaler" if i == 0 else f"loss_scaler.{i}"] = snap.flatten(s.state_dict(), f"loss_scaler.{i}")
+        snap.objects["grad_scaler" if i == 0 else f"grad_scaler.{i}"] = snap.flatten(s.state_dict(), f"grad_scaler.{i}")
     snap.objects["tracked"] = {name: snap.flatten(obj.state_dict(), f"tracked/{name}") for name, obj in live.named.items()}
     snap.objects["rng"] = capture_rng(snap, "rng")
     snap.objects["loaders"] = [st.capture(snap, ld) if ld is not None else None for ld, st in live.loaders]
@@ -188,7 +193,7 @@ def to_checkpoint(snap: Snapshot, path: Any) -> Checkpoint:
     ckpt = Checkpoint("native", path, step=snap.step)
     for name, t in snap.tensors.items():
         shape = tuple(int(s) for s in t.shape)
-        lt = LogicalTensor(name, shape, _dtype_name(t))
+        lt = LogicalTensor(name, shape, _dtype_name(t), kind=snap.kinds.get(name))
         if t.numel():
             lt.chunks.append(Chunk(Box(tuple(0 for _ in shape), shape), lt.dtype, data=tensor_view(t)))
         ckpt.add(lt)

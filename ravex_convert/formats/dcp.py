@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .._dtypes import DTYPE_SIZES
-from .._layout import SOURCE_KEY, PathItem, StateLayout, unflatten
+from .._layout import SOURCE_KEY, PathItem, StateLayout, layout_of, unflatten
 from .._limits import MAX_CHUNKS_PER_TENSOR_ENV, max_chunks_per_tensor
 from .._paths import inside
 from .._torchzip import TorchArchive, crc_enabled, open_archive, verify_crcs
@@ -38,7 +38,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexErr
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, numel
 
-__all__ = ["METADATA", "DcpItem", "DcpMetadata", "DcpTensor", "describe", "read_metadata", "sniff"]
+__all__ = ["METADATA", "DcpItem", "DcpMetadata", "DcpTensor", "describe", "read", "read_metadata", "sniff"]
 
 METADATA = ".metadata"
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -417,40 +417,39 @@ def _display_name(name: str) -> tuple[str, str]:
 # ---------------------------------------------------------------- describe and read
 
 
-def describe(path: Path, reasons: list[str], meta: DcpMetadata | None = None) -> CheckpointInfo:
-    root = path.parent if path.is_file() else path
-    if meta is None:
-        meta = read_metadata(root)
-    roles = _classify(meta)
-    sharded = any(len(t.chunks) > 1 for t in meta.tensors.values())
-    info = CheckpointInfo("dcp", "sharded" if sharded else "unsharded", str(root), reasons=reasons)
-    info.files = _check_files(root, meta)
-    ranks = {f.rank for f in info.files if f.rank is not None}
-    info.world_size = max(ranks) + 1 if ranks else None
-    if ranks:
+@dataclass
+class _Seen:
+    """What the layout says beside the checkpoint's tensors: for :func:`describe`."""
+
+    files: list[FileInfo]  # .metadata and every data file, checked present and large enough
+    world_size: int | None  # from the data files' names (__<rank>_<n>.distcp); None without such names
+    sharded: bool  # some tensor is stored in more than one chunk
+    model_found: bool
+    optim_found: bool
+
+
+def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
+    """What :func:`read` finds, as ``inspect`` shows it: ``.metadata`` read and
+    checked once, and the data files' items left unopened but for the step's."""
+    ckpt, seen = _read(path, shallow=True)
+    info = CheckpointInfo("dcp", "sharded" if seen.sharded else "unsharded", str(ckpt.path), world_size=seen.world_size, step=ckpt.step,
+                          reasons=list(reasons), files=seen.files)
+    if seen.world_size is not None:
         info.reasons.append(f"world size {info.world_size} inferred from data file names (__<rank>_<n>.distcp)")
-    state_names: list[str] = []
-    for key, t in meta.tensors.items():
-        shown, kind = _display_name(roles.names[key])
+    for name, t in ckpt.tensors.items():
+        shown, kind = _display_name(name)
         info.tensors.append(TensorInfo(shown, t.shape, t.dtype, kind))
-        if kind == "optim":
-            s = roles.names[key][len(OPTIM):].split("/", 1)[0]
-            if s not in state_names:
-                state_names.append(s)
-    if roles.optim_found:
+    if seen.optim_found:
         # get_state_dict flattens param groups per parameter name, so the number
         # of groups is not visible without reading the items: left unknown.
-        kind = "Adam" if {"exp_avg", "exp_avg_sq"} <= set(state_names) else "unknown"
-        info.optimizer = OptimizerInfo(kind, state_names, None)
-    if roles.model_found and roles.layout != StateLayout():
-        info.reasons.append(f"model state dict at '{_dotted(roles.layout.model)}'"
-                            + (f", optimizer at '{_dotted(roles.layout.optim)}'" if roles.optim_found else ""))
-    if not roles.model_found and meta.tensors:
-        info.notes.append(f"no model state dict recognised in the saved state: its {len(meta.tensors)} tensors are shown as other state")
-    info.step = _read_step(meta, roles)
-    info.notes.append(NO_PARAM_MARKS)
-    info.extra["metadata_form"] = "torch>=2.15 (TensorProperties with strides)" if meta.has_strides else "torch<2.15"
-    info.extra["state_layout"] = roles.layout.describe()
+        states = ckpt.optimizer_state_names()
+        info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(states) else "unknown", states, None)
+    layout = layout_of(ckpt.source)
+    if seen.model_found and layout != StateLayout():
+        info.reasons.append(f"model state dict at '{_dotted(layout.model)}'" + (f", optimizer at '{_dotted(layout.optim)}'" if seen.optim_found else ""))
+    info.notes = [*ckpt.notes, NO_PARAM_MARKS]
+    info.extra["metadata_form"] = ckpt.source["metadata_form"]
+    info.extra["state_layout"] = layout.describe()
     return info
 
 
@@ -498,35 +497,45 @@ def _tensor_in(archive: TorchArchive, ref: Any, t: DcpTensor, key: str, offsets:
     return True
 
 
-def read(path: Path) -> Checkpoint:
-    """Describe a DCP checkpoint: every stored chunk located inside its ``.distcp``
-    item; non-tensor items (param groups, user values) unpickled (restricted)
-    and kept at their nesting."""
+def _read(path: Path, *, shallow: bool = False) -> tuple[Checkpoint, _Seen]:
+    """``.metadata`` read and checked, the data files checked present and large
+    enough, the step read; then every item opened: each chunk located inside
+    its item, the non-tensor items unpickled (restricted) and every tensor
+    item's CRC-32 checked. ``shallow`` (for describe) stops before the items:
+    the tensors are named, shaped and typed, without chunks or objects, so the
+    result says what the checkpoint holds but is not for converting."""
     root = path.parent if path.is_file() else path
     meta = read_metadata(root)
-    info = describe(path, [], meta)  # .metadata unpickled once
     roles = _classify(meta)
-    ckpt = Checkpoint("dcp", root, world_size=info.world_size or 1, step=info.step)
-    ckpt.source["metadata_form"] = info.extra["metadata_form"]
+    files = _check_files(root, meta)
+    ranks = {f.rank for f in files if f.rank is not None}
+    world_size = max(ranks) + 1 if ranks else None
+    seen = _Seen(files, world_size, any(len(t.chunks) > 1 for t in meta.tensors.values()), roles.model_found, roles.optim_found)
+    ckpt = Checkpoint("dcp", root, world_size=world_size or 1, step=_read_step(meta, roles))
+    ckpt.source["metadata_form"] = "torch>=2.15 (TensorProperties with strides)" if meta.has_strides else "torch<2.15"
     ckpt.source[SOURCE_KEY] = roles.layout.to_json()
-    ckpt.notes.extend(n for n in info.notes if n != NO_PARAM_MARKS)
+    if not roles.model_found and meta.tensors:
+        ckpt.notes.append(f"no model state dict recognised in the saved state: its {len(meta.tensors)} tensors are shown as other state")
     leaves: list[tuple[tuple[PathItem, ...], Any]] = []
     groups: dict[str, dict[str, Any]] = {}
     archives: list[TorchArchive] = []
     for key, t in meta.tensors.items():
         name = roles.names[key]
         lt = ckpt.add(LogicalTensor(name, t.shape, t.dtype))
-        for offsets, sizes in t.chunks:
-            archive = _open_item(meta, key, offsets)
-            ref = archive.root
-            _tensor_in(archive, ref, t, key, offsets, sizes)
-            lt.chunks.append(Chunk(Box(offsets, sizes), t.dtype, archive.path, archive.tensor_offset(ref)))
-            archives.append(archive)
+        if not shallow:
+            for offsets, sizes in t.chunks:
+                archive = _open_item(meta, key, offsets)
+                ref = archive.root
+                _tensor_in(archive, ref, t, key, offsets, sizes)
+                lt.chunks.append(Chunk(Box(offsets, sizes), t.dtype, archive.path, archive.tensor_offset(ref)))
+                archives.append(archive)
         if key in roles.groups:
             g, hyper = roles.groups[key]
             groups.setdefault(g, {})[hyper] = TensorLink(name)  # a tensor lr
         elif name.startswith(OBJ):
             leaves.append((t.path, TensorLink(name)))
+    if shallow:
+        return ckpt, seen
     for key, nesting in meta.objects.items():
         value = _open_item(meta, key, ()).root
         if key in roles.groups:
@@ -542,7 +551,14 @@ def read(path: Path) -> Checkpoint:
         ckpt.objects["optim.param_groups"] = [groups[k] for k in sorted(groups, key=lambda k: (0, int(k), "") if k.isdigit() else (1, 0, k))]
     elif groups:
         ckpt.objects["optim.param_groups"] = _regroup(groups)
-    return ckpt
+    return ckpt, seen
+
+
+def read(path: Path) -> Checkpoint:
+    """Describe a DCP checkpoint: every stored chunk located inside its ``.distcp``
+    item; non-tensor items (param groups, user values) unpickled (restricted)
+    and kept at their nesting."""
+    return _read(path)[0]
 
 
 def _check_crcs(archives: list[TorchArchive]) -> None:

@@ -22,6 +22,7 @@ from .._tagged import decode
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import Checkpoint, Chunk
+from ..objects import check as check_objects
 from .native_check import FORMAT_VERSION, Checked, check_checkpoint, check_manifest, load_json, metadata_checksum
 
 __all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "describe", "read", "read_manifest", "resolve", "sniff", "verify_chunks"]
@@ -262,43 +263,8 @@ def _display(name: str) -> str:
     return name
 
 
-def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
-    o = _open(path, index)
-    info = CheckpointInfo("native", o.variant, str(path.parent if path.is_file() else path), world_size=o.doc["world_size"],
-                          step=o.doc.get("step"), reasons=reasons)
-    info.notes.extend(o.notes)
-    state_names: list[str] = []
-    for name, t in o.checked.tensors.items():
-        kind = _kind(name)
-        info.tensors.append(TensorInfo(_display(name), t.shape, t.dtype, kind))
-        if kind == "optim":
-            sname = name.split("/")[1]
-            if sname not in state_names:
-                state_names.append(sname)
-    try:
-        for rel in sorted(o.checked.files):
-            info.files.append(FileInfo(rel, o.checked.files[rel].stat().st_size, "data"))
-        shown = str(o.json_path.relative_to(o.store)) if o.variant == "store" else CHECKPOINT
-        info.files.insert(0, FileInfo(shown, o.json_path.stat().st_size, "metadata"))
-    except OSError as exc:
-        raise from_os_error(exc) from None
-    info.aliases = {_display(k): _display(v) for k, v in o.checked.aliases.items()}
-    if state_names:
-        groups = o.checked.objects.get("optim.param_groups")
-        info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(state_names) else "unknown", state_names,
-                                       len(groups) if isinstance(groups, list) else None)
-    if o.manifest is not None and o.entry is not None and o.variant == "store":
-        info.extra["index"] = o.entry["index"]
-        info.extra["checkpoints"] = [
-            {k: e.get(k) for k in ("index", "step", "status", "created_unix", "bytes")} for e in o.manifest["checkpoints"]
-        ]
-    return info
-
-
-def read(path: Path, index: int = -1) -> Checkpoint:
-    """One checkpoint of a store (``index``; -1 = newest complete), every check of
-    docs/format.md section 17 that needs no data bytes done; :func:`verify_chunks`
-    checks the bytes."""
+def _read(path: Path, index: int = -1) -> tuple[Checkpoint, _Opened]:
+    """The checkpoint, and the store it was opened in (its manifest and files: for describe)."""
     o = _open(path, index)
     p = path.parent if path.is_file() else path
     where = str(o.json_path)
@@ -312,8 +278,44 @@ def read(path: Path, index: int = -1) -> Checkpoint:
         ckpt.objects = {k: decode(v, f"{where}: objects.{k}") for k, v in o.checked.objects.items()}
     except RavexError as exc:
         raise type(exc)(exc.message, hint=exc.hint or _META_HINT, path=where) from None
+    check_objects(ckpt.objects, where)
     ckpt.notes.extend(o.notes)
-    return ckpt
+    return ckpt, o
+
+
+def read(path: Path, index: int = -1) -> Checkpoint:
+    """One checkpoint of a store (``index``; -1 = newest complete), every check of
+    docs/format.md section 17 that needs no data bytes done; :func:`verify_chunks`
+    checks the bytes."""
+    return _read(path, index)[0]
+
+
+def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
+    """What :func:`read` finds, as ``inspect`` shows it, with the store's files
+    and its list of checkpoints (the metadata is read once; no chunk is verified)."""
+    ckpt, o = _read(path, index)
+    info = CheckpointInfo("native", o.variant, str(ckpt.path), world_size=ckpt.world_size, step=ckpt.step, reasons=reasons)
+    info.notes = list(ckpt.notes)
+    info.tensors = [TensorInfo(_display(name), t.shape, t.dtype, _kind(name)) for name, t in ckpt.tensors.items()]
+    try:
+        for rel in sorted(o.checked.files):
+            info.files.append(FileInfo(rel, o.checked.files[rel].stat().st_size, "data"))
+        shown = str(o.json_path.relative_to(o.store)) if o.variant == "store" else CHECKPOINT
+        info.files.insert(0, FileInfo(shown, o.json_path.stat().st_size, "metadata"))
+    except OSError as exc:
+        raise from_os_error(exc) from None
+    info.aliases = {_display(k): _display(v) for k, v in ckpt.aliases.items()}
+    states = ckpt.optimizer_state_names()
+    if states:
+        groups = ckpt.objects.get("optim.param_groups")
+        info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(states) else "unknown", states,
+                                       len(groups) if isinstance(groups, list) else None)
+    if o.manifest is not None and o.entry is not None and o.variant == "store":
+        info.extra["index"] = o.entry["index"]
+        info.extra["checkpoints"] = [
+            {k: e.get(k) for k in ("index", "step", "status", "created_unix", "bytes")} for e in o.manifest["checkpoints"]
+        ]
+    return info
 
 
 def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from .._paths import inside
 from .._strictjson import DuplicateKey, unique_pairs
 from .._tagged import TAG
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
-from ..model import Box, Chunk, Flat, LogicalTensor, Region
+from ..model import KINDS, MODEL, Box, Chunk, Flat, LogicalTensor, Region
 
 __all__ = [
     "DTYPES", "FORMAT_VERSION", "MAX_DIMS", "Checked", "check_checkpoint", "check_manifest", "load_json", "max_chunks_per_tensor",
@@ -257,6 +257,13 @@ def check_checkpoint(doc: dict[str, Any], path: Path, *, index: int | None, run_
             raise corrupt(f"tensor name {name!r} {why}; a logical name is 1 to 1024 UTF-8 bytes without '@' or control characters")
         out.tensors[name] = _tensor(path, name, entry, own, limit, cache, locate, corrupt, newer)
     out.files = cache
+    kinds: Any = doc.get("kinds", {})  # added within version 1 (section 14): readers before 0.2 ignore it
+    if not isinstance(kinds, dict):
+        raise corrupt(f"'kinds' is {type(kinds).__name__}, not an object")
+    for name, kind in kinds.items():
+        if name not in out.tensors or not name.startswith(MODEL) or kind not in KINDS:
+            raise corrupt(f"kinds[{name!r}] is {kind!r}: 'kinds' maps model/ tensors of 'tensors' to one of {', '.join(KINDS)}")
+        out.tensors[name].kind = kind
     _check_objects(objects, f"{path}: objects", set(tensors) | set(aliases), corrupt, newer)
     out.objects = objects
     return out

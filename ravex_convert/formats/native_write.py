@@ -389,7 +389,7 @@ def _plan(ckpt: Checkpoint, opts: Options) -> list[_Out]:
                              hint=f"the store holds {', '.join(SAFETENSORS_CODES)}; leave the tensor out or convert it first")
         if any(not isinstance(s, int) or s < 0 for s in t.shape):
             raise RavexError(f"tensor '{name}' has shape {list(t.shape)}", hint="a shape lists non-negative integers")
-        t = t if t.name == name else LogicalTensor(name, t.shape, t.dtype, t.chunks)
+        t = t if t.name == name else t.renamed(name)
         outs.extend(_Out(t, k, rank, box, dtype) for k, (rank, box) in enumerate(_split(name, tuple(t.shape), opts.world_size)))
     return outs
 
@@ -623,19 +623,21 @@ def write(ckpt: Checkpoint, store: Path, opts: Options, *, run_id: str | None = 
     fresh = False
     with contextlib.ExitStack() as held:
         decided: Any = None
+        refused: BaseException | None = None
         if group.rank == 0:
             fresh = not store.exists()
             try:
                 decided = _begin(store, run_id, outs, opts, held)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
                 if fresh and not _listed_any(store):
                     shutil.rmtree(store, ignore_errors=True)
+                refused = RavexError(f"{store}: writing the store failed: {exc}", hint=_IO_HINT, path=store) if isinstance(exc, OSError) else exc
                 if group.size == 1:
-                    if isinstance(exc, OSError):
-                        raise RavexError(f"{store}: writing the store failed: {exc}", hint=_IO_HINT, path=store) from exc
-                    raise
-                decided = (exc.message, exc.hint) if isinstance(exc, RavexError) else (f"{store}: {exc}", _IO_HINT)
+                    raise refused from (exc if refused is not exc else None)
+                decided = (refused.message, refused.hint) if isinstance(refused, RavexError) else (f"{store}: {refused}", _IO_HINT)
         decided = group.broadcast(decided)
+        if refused is not None:
+            raise refused  # rank 0 in its own words; the others below
         if isinstance(decided, tuple):
             raise RavexError(f"rank 0 could not open the store: {decided[0]}", hint=decided[1])
         index, reused_entries, warnings, manifest = decided["index"], decided["entries"], decided["warnings"], decided["manifest"]
@@ -700,6 +702,9 @@ def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: lis
             "created_unix": now, "world_size": opts.world_size, "source": source, "tensors": tensors,
             "aliases": dict(ckpt.aliases), "objects": objects,
         }
+        kinds = {name: t.kind for name, t in ckpt.tensors.items() if t.kind is not None}
+        if kinds:
+            doc["kinds"] = kinds  # what each model tensor is, where the source said (section 9)
         meta = (json.dumps(doc, indent=None, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
         return [(CHECKPOINT, meta)]
 

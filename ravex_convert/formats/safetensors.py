@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize, numel
 from ..plan import OutFile, WritePlan, run
 
-__all__ = ["DTYPES", "INDEX_NAME", "describe", "read_header", "sniff"]
+__all__ = ["DTYPES", "INDEX_NAME", "describe", "read", "read_header", "sniff"]
 
 INDEX_NAME = "model.safetensors.index.json"
 DTYPES = {code: name for name, code in SAFETENSORS_CODES.items()}  # code -> Ravex dtype name
@@ -131,14 +132,6 @@ def sniff(path: Path) -> list[str] | None:
     return None
 
 
-def _tensors_of(path: Path, header: dict[str, Any]) -> list[TensorInfo]:
-    return [
-        TensorInfo(name, tuple(e["shape"]), DTYPES[e["dtype"]])
-        for name, e in header.items()
-        if name != "__metadata__"
-    ]
-
-
 def _read_index(path: Path) -> tuple[dict[str, str], dict[str, Path]]:
     """The index's weight_map, and each shard it names, checked to lie inside ``path``."""
     index_path = inside(path, INDEX_NAME, "index file", path)
@@ -168,61 +161,6 @@ def _listed_files(path: Path) -> list[tuple[str, Path]]:
     return [(f.name, inside(path, f.name, "safetensors file", path)) for f in sorted(path.glob("*.safetensors"))]
 
 
-def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
-    if path.is_file():
-        header, _ = read_header(path)
-        info = CheckpointInfo("safetensors", "single", str(path), world_size=1, reasons=reasons)
-        info.tensors = _tensors_of(path, header)
-        info.files = [FileInfo(path.name, path.stat().st_size, "weights")]
-        _aliases_from_metadata(info, header.get("__metadata__"))
-        info.notes.append(NO_PARAM_MARKS)
-        return info
-
-    index_path = path / INDEX_NAME
-    if index_path.is_file():
-        weight_map, shards = _read_index(path)
-        missing = [n for n, p in shards.items() if not p.is_file()]
-        if missing:
-            raise IncompleteCheckpointError(
-                f"{path}: the index names shard '{missing[0]}' but the file is missing"
-                + (f" ({len(missing)} shards missing)" if len(missing) > 1 else ""),
-                hint="copy every shard listed in model.safetensors.index.json into the directory",
-                path=path / missing[0],
-            )
-        variant = "sharded"
-        files = [FileInfo(INDEX_NAME, index_path.stat().st_size, "index")]
-        listed = list(shards.items())
-    else:
-        listed = _listed_files(path)
-        weight_map = {}
-        variant = "single" if len(listed) == 1 else "sharded"
-        files = []
-    info = CheckpointInfo("safetensors", variant, str(path), world_size=1, reasons=reasons)
-    seen: dict[str, str] = {}
-    for name, file in listed:
-        header, _ = read_header(file)
-        files.append(FileInfo(name, file.stat().st_size, "weights"))
-        for t in _tensors_of(file, header):
-            if t.name in seen:
-                raise CorruptCheckpointError(f"{file}: holds tensor '{t.name}', which {seen[t.name]} holds too",
-                                             hint="the shards come from different saves; copy the shards and index from one save", path=file)
-            if weight_map and weight_map.get(t.name) != name:
-                info.notes.append(f"{name} holds '{t.name}', which the index places elsewhere")
-            seen[t.name] = name
-            info.tensors.append(t)
-        _aliases_from_metadata(info, header.get("__metadata__"))
-    absent = sorted(set(weight_map) - set(seen))
-    if absent:
-        raise IncompleteCheckpointError(
-            f"{path}: the index lists tensor '{absent[0]}' but no shard holds it ({len(absent)} missing)",
-            hint="the shards do not match the index; copy the shards and index from the same save",
-            path=index_path,
-        )
-    info.files = files
-    info.notes.append(NO_PARAM_MARKS)
-    return info
-
-
 def _parse_aliases(metadata: Any) -> dict[str, str] | None:
     """Ravex writes tied names as ``{"ravex.aliases": "{json}"}``; others leave them out.
     None where the entry is there but unreadable."""
@@ -237,37 +175,53 @@ def _parse_aliases(metadata: Any) -> dict[str, str] | None:
     return found
 
 
-def _aliases_from_metadata(info: CheckpointInfo, metadata: Any) -> None:
-    found = _parse_aliases(metadata)
-    if found is None:
-        info.notes.append("__metadata__ has an unreadable 'ravex.aliases' entry")
-    else:
-        info.aliases.update(found)
+@dataclass
+class _Listing:
+    """How the checkpoint is laid out on disk, beside its tensors: what only
+    ``describe`` shows (read's :class:`Checkpoint` has the rest)."""
+
+    variant: str  # "single" | "sharded"
+    files: list[FileInfo] = field(default_factory=list)
+    misplaced: list[str] = field(default_factory=list)  # notes: entries a shard holds that the index places elsewhere
 
 
-def _shard_files(path: Path) -> list[Path]:
+def _read(path: Path) -> tuple[Checkpoint, _Listing]:
+    """One pass over the index and every shard's header: the checkpoint, and its listing."""
+    weight_map: dict[str, str] = {}
     if path.is_file():
-        return [path]
-    if (path / INDEX_NAME).is_file():
-        describe(path, [])  # validates the index and that every shard is present
-        return list(_read_index(path)[1].values())
-    return [p for _, p in _listed_files(path)]
-
-
-def read(path: Path) -> Checkpoint:
-    """Every tensor as ``model/<name>``, one whole-tensor chunk each, in place."""
+        listed, listing = [(path.name, path)], _Listing("single")
+    elif (path / INDEX_NAME).is_file():
+        weight_map, shards = _read_index(path)
+        missing = [n for n, p in shards.items() if not p.is_file()]
+        if missing:
+            raise IncompleteCheckpointError(
+                f"{path}: the index names shard '{missing[0]}' but the file is missing"
+                + (f" ({len(missing)} shards missing)" if len(missing) > 1 else ""),
+                hint="copy every shard listed in model.safetensors.index.json into the directory",
+                path=path / missing[0],
+            )
+        listed = list(shards.items())
+        listing = _Listing("sharded", [FileInfo(INDEX_NAME, (path / INDEX_NAME).stat().st_size, "index")])
+    else:
+        listed = _listed_files(path)
+        listing = _Listing("single" if len(listed) == 1 else "sharded")
     ckpt = Checkpoint("safetensors", path, world_size=1)
+    held: dict[str, str] = {}  # tensor name -> the shard holding it
     aliases: dict[str, tuple[str, Path]] = {}
-    for file in _shard_files(path):
+    for shard, file in listed:
         header, start = read_header(file)
+        listing.files.append(FileInfo(shard, file.stat().st_size, "weights"))
         for name, e in header.items():
             if name == "__metadata__":
                 continue
+            if name in held:
+                raise CorruptCheckpointError(f"{file}: holds tensor '{name}', which {held[name]} holds too",
+                                             hint="the shards come from different saves; copy the shards and index from one save", path=file)
+            if weight_map and weight_map.get(name) != shard:
+                listing.misplaced.append(f"{shard} holds '{name}', which the index places elsewhere")
+            held[name] = shard
             dtype = DTYPES[e["dtype"]]
             shape = tuple(int(s) for s in e["shape"])
-            if MODEL + name in ckpt.tensors:
-                raise CorruptCheckpointError(f"{file}: holds tensor '{name}', which another shard holds too",
-                                             hint="the shards come from different saves; copy them again from one save", path=file)
             t = LogicalTensor(MODEL + name, shape, dtype)
             t.chunks.append(Chunk(Box(tuple(0 for _ in shape), shape), dtype, file, start + int(e["data_offsets"][0])))
             ckpt.add(t)
@@ -276,13 +230,36 @@ def read(path: Path) -> Checkpoint:
             ckpt.notes.append(f"{file.name}: unreadable 'ravex.aliases' metadata ignored")
         for alias, target in (found or {}).items():
             aliases[alias] = (target, file)
+    absent = sorted(set(weight_map) - set(held))
+    if absent:
+        raise IncompleteCheckpointError(
+            f"{path}: the index lists tensor '{absent[0]}' but no shard holds it ({len(absent)} missing)",
+            hint="the shards do not match the index; copy the shards and index from the same save",
+            path=path / INDEX_NAME,
+        )
     for alias, (target, file) in aliases.items():
         if MODEL + target not in ckpt.tensors or MODEL + alias in ckpt.tensors:
             ckpt.notes.append(f"{file.name}: tied name '{alias}' -> '{target}' ignored (" +
                               ("a stored tensor has that name" if MODEL + alias in ckpt.tensors else f"no tensor '{target}'") + ")")
             continue
         ckpt.aliases[MODEL + alias] = MODEL + target
-    return ckpt
+    return ckpt, listing
+
+
+def read(path: Path) -> Checkpoint:
+    """Every tensor as ``model/<name>``, one whole-tensor chunk each, in place;
+    the index (where there is one) checked against the shards."""
+    return _read(path)[0]
+
+
+def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
+    """What :func:`read` finds, as ``inspect`` shows it (the headers are read once)."""
+    ckpt, listing = _read(path)
+    info = CheckpointInfo("safetensors", listing.variant, str(path), world_size=1, reasons=reasons, files=listing.files)
+    info.tensors = [TensorInfo(name[len(MODEL):], t.shape, t.dtype) for name, t in ckpt.tensors.items()]
+    info.aliases = {a[len(MODEL):]: t[len(MODEL):] for a, t in ckpt.aliases.items()}
+    info.notes = [*ckpt.notes, *listing.misplaced, NO_PARAM_MARKS]
+    return info
 
 
 _CODES = SAFETENSORS_CODES

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import struct
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, Tens
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
 from ..plan import OutFile, WritePlan, run
 
-__all__ = ["SUFFIXES", "describe", "find_model_and_optimizer", "sniff"]
+__all__ = ["SUFFIXES", "describe", "find_model_and_optimizer", "read", "sniff"]
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
@@ -90,7 +91,9 @@ def _aliases(sd: dict[str, TensorRef]) -> dict[str, str]:
     return out
 
 
-def _optimizer_info(archive: TorchArchive, optim: dict[str, Any], info: CheckpointInfo) -> OptimizerInfo:
+def _optimizer_info(optim: dict[str, Any]) -> tuple[OptimizerInfo, list[TensorInfo]]:
+    """The optimizer as ``inspect`` shows it, keyed as the file keys it (by
+    position where torch's optimizer.state_dict() saved it)."""
     state = optim.get("state") or {}
     names: list[str] = []
     for per_param in state.values():
@@ -98,16 +101,10 @@ def _optimizer_info(archive: TorchArchive, optim: dict[str, Any], info: Checkpoi
             names.extend(n for n in per_param if n not in names)
     groups = optim.get("param_groups")
     kind = "Adam" if {"exp_avg", "exp_avg_sq"} <= set(names) else ("SGD" if "momentum_buffer" in names else "unknown")
-    keyed_by_index = any(isinstance(k, int) for k in state)
-    if keyed_by_index:
-        info.notes.append("optimizer state is keyed by parameter index (torch's optimizer.state_dict()); names come from parameter order")
-    for pname, per_param in state.items():
-        if not isinstance(per_param, dict):
-            continue
-        for sname, value in per_param.items():
-            if isinstance(value, TensorRef):
-                info.tensors.append(TensorInfo(f"optim.{sname}/{pname}", value.shape, value.dtype, "optim"))
-    return OptimizerInfo(kind, names, len(groups) if isinstance(groups, list) else None)
+    tensors = [TensorInfo(f"optim.{sname}/{pname}", value.shape, value.dtype, "optim")
+               for pname, per_param in state.items() if isinstance(per_param, dict)
+               for sname, value in per_param.items() if isinstance(value, TensorRef)]
+    return OptimizerInfo(kind, names, len(groups) if isinstance(groups, list) else None), tensors
 
 
 def _step(archive: TorchArchive, root: Any, optim: dict[str, Any] | None) -> int | None:
@@ -154,45 +151,37 @@ def _check_optimizer(optim: Any, key: str | None, file: Path) -> None:
             raise bad("has a param group whose 'params' is not a list of parameter ids")
 
 
-def describe(path: Path, reasons: list[str], archive: TorchArchive | None = None) -> CheckpointInfo:
-    file = path if path.is_file() else _the_file(path)
-    if archive is None:
-        archive = open_archive(file)
-    root = archive.root
-    model_key, sd, optim_key, optim = find_model_and_optimizer(root)
-    if sd is None:
-        keys = ", ".join(repr(k) for k in list(root)[:8]) if isinstance(root, dict) else type(root).__name__
-        raise UnknownFormatError(
-            f"{file}: a torch.save file, but no model state dict found in it (top level: {keys})",
-            hint="Ravex reads a bare state dict or a dict with one of the keys " + ", ".join(_MODEL_KEYS),
-            path=file,
-        )
-    if optim is not None:
-        _check_optimizer(optim, optim_key, file)
-    variant = "state_dict" if model_key is None else ("training_state" if optim is not None else "model")
-    info = CheckpointInfo("torch_save", variant, str(path), world_size=1, reasons=reasons)
-    info.files = [FileInfo(file.name, file.stat().st_size, "state")]
-    info.aliases = _aliases(sd)
-    for name, t in sd.items():
-        kind = "param" if t.is_parameter or t.requires_grad else "other"
-        info.tensors.append(TensorInfo(name, t.shape, t.dtype, kind))
-    if not any(t.kind == "param" for t in info.tensors):
-        # state_dict() detaches parameters, so a plain save records no flag:
-        # count floating-point entries as parameters, say so.
-        for t in info.tensors:
-            if t.dtype.startswith(("float", "bfloat")):
-                t.kind = "param"
-        info.notes.append(NO_PARAM_MARKS)
-    if optim is not None:
-        info.optimizer = _optimizer_info(archive, optim, info)
-    info.step = _step(archive, root, optim)
-    if model_key is not None:
-        info.extra["model_key"] = model_key
-        info.extra["optimizer_key"] = optim_key
+def _marked(ref: TensorRef) -> bool:
+    """The file marks the entry a parameter (saved as an ``nn.Parameter`` or with requires_grad)."""
+    return ref.is_parameter or ref.requires_grad
+
+
+def describe(path: Path, reasons: list[str], param_names: list[str] | None = None) -> CheckpointInfo:
+    """What :func:`read` finds, as ``inspect`` shows it (the pickle parsed once,
+    no tensor byte read): the model entries with the kinds the file marks, the
+    optimizer state keyed as the file keys it."""
+    ckpt, found = _read(path, param_names, shallow=True)
+    info = CheckpointInfo("torch_save", found.variant, str(path), world_size=1, step=ckpt.step, reasons=reasons)
+    info.files = [FileInfo(found.file.name, found.file.stat().st_size, "state")]
+    info.aliases = {a[len(MODEL):]: t[len(MODEL):] for a, t in ckpt.aliases.items() if a.startswith(MODEL)}
+    # state_dict() detaches parameters, so a plain save records no flag: then
+    # floating-point entries count as parameters (read's notes say so).
+    marked = any(_marked(ref) for ref in found.sd.values())
+    for name, ref in found.sd.items():
+        t = ckpt.resolve(MODEL + name)
+        param = _marked(ref) if marked else t.dtype.startswith(("float", "bfloat"))
+        info.tensors.append(TensorInfo(name, t.shape, t.dtype, "param" if param else "other"))
+    if found.optim is not None:
+        info.optimizer, optim_tensors = _optimizer_info(found.optim)
+        info.tensors += optim_tensors
+    info.notes = list(ckpt.notes)
+    if found.model_key is not None:
+        info.extra["model_key"] = found.model_key
+        info.extra["optimizer_key"] = found.optim_key
     return info
 
 
-def _tensor_chunk(archive: TorchArchive, ref: TensorRef, name: str) -> LogicalTensor:
+def _tensor_chunk(archive: TorchArchive, ref: TensorRef, name: str, shallow: bool = False) -> LogicalTensor:
     t = LogicalTensor(name, ref.shape, ref.dtype)
     whole = Box(tuple(0 for _ in ref.shape), ref.shape)
     if ref.is_contiguous():
@@ -203,7 +192,7 @@ def _tensor_chunk(archive: TorchArchive, ref: TensorRef, name: str) -> LogicalTe
                 f"{archive.path}: tensor '{name}' runs past the end of its storage", hint="the file is truncated or damaged; copy it again", path=archive.path
             )
         t.chunks.append(Chunk(whole, ref.dtype, archive.path, archive.tensor_offset(ref)))
-    else:
+    elif not shallow:
         # A strided view (a transpose saved as is): gather its elements once,
         # here, and carry them inline. Rare, and small in practice.
         # (open_archive checked the view against its storage.)
@@ -274,25 +263,54 @@ def _param_names_by_order(sd: dict[str, TensorRef], aliases: dict[str, str], opt
     return out
 
 
-def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
+@dataclass
+class _Found:
+    """Where the file keeps what :func:`read` took, for :func:`describe`."""
+
+    file: Path
+    variant: str  # state_dict (a bare one) | model | training_state
+    model_key: str | None
+    sd: dict[str, TensorRef]
+    optim_key: str | None
+    optim: dict[str, Any] | None
+
+
+def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = False) -> tuple[Checkpoint, _Found]:
+    """The one parse of the file. ``shallow`` (for describe): no byte of
+    tensor data is read (no CRC pass; a strided view is left without its
+    chunk, instead of gathered), so the result says what the file holds but is
+    not for converting."""
     file = path if path.is_file() else _the_file(path)
     archive = open_archive(file)
-    info = describe(path, [], archive)  # parsed once, described and read
-    verify_crcs(archive)  # every storage's bytes against the CRC-32 torch.save recorded (RAVEX_NO_CRC=1 skips)
     root = archive.root
     model_key, sd, optim_key, optim = find_model_and_optimizer(root)
-    assert sd is not None  # describe() refused a file without one
-    ckpt = Checkpoint("torch_save", file, world_size=1, step=info.step)
-    ckpt.notes.extend(info.notes)
+    if sd is None:
+        keys = ", ".join(repr(k) for k in list(root)[:8]) if isinstance(root, dict) else type(root).__name__
+        raise UnknownFormatError(
+            f"{file}: a torch.save file, but no model state dict found in it (top level: {keys})",
+            hint="Ravex reads a bare state dict or a dict with one of the keys " + ", ".join(_MODEL_KEYS),
+            path=file,
+        )
+    if optim is not None:
+        _check_optimizer(optim, optim_key, file)
+    variant = "state_dict" if model_key is None else ("training_state" if optim is not None else "model")
+    found = _Found(file, variant, model_key, sd, optim_key, optim)
+    ckpt = Checkpoint("torch_save", file, world_size=1, step=_step(archive, root, optim))
+    if not any(_marked(ref) for ref in sd.values()):
+        ckpt.notes.append(NO_PARAM_MARKS)
+    state = (optim.get("state") or {}) if optim is not None else {}
+    by_index = any(isinstance(k, int) for k in state)
+    if by_index:
+        ckpt.notes.append("optimizer state is keyed by parameter index (torch's optimizer.state_dict()); names come from parameter order")
+    if not shallow:
+        verify_crcs(archive)  # every storage's bytes against the CRC-32 torch.save recorded (RAVEX_NO_CRC=1 skips)
     aliases = _aliases(sd)
     for name, ref in sd.items():
         if name in aliases:
             ckpt.aliases[MODEL + name] = MODEL + aliases[name]
         else:
-            ckpt.add(_tensor_chunk(archive, ref, MODEL + name))
+            ckpt.add(_tensor_chunk(archive, ref, MODEL + name, shallow))
     if optim is not None:
-        state = optim.get("state") or {}
-        by_index = any(isinstance(k, int) for k in state)
         try:
             names = _param_names_by_order(sd, aliases, optim, param_names, file) if by_index else {k: k for k in state}
         except LayoutMismatchError as exc:
@@ -308,7 +326,7 @@ def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
             for sname, value in per.items():
                 lname = f"{OPTIM}{sname}/{fqn}"
                 if isinstance(value, TensorRef):
-                    ckpt.add(_tensor_chunk(archive, value, lname))
+                    ckpt.add(_tensor_chunk(archive, value, lname, shallow))
                 elif isinstance(value, (int, float)) and not isinstance(value, bool):
                     # old torch kept Adam's step as a Python number; keep it as the tensor newer torch saves
                     ckpt.add(LogicalTensor(lname, (), "float32", [Chunk(Box((), ()), "float32", data=struct.pack("<f", float(value)))]))
@@ -322,21 +340,31 @@ def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
         for key, value in root.items():
             if key in (model_key, optim_key) or (optim_key == "optimizer_states[0]" and key == "optimizer_states"):
                 continue
-            ckpt.objects.setdefault("extra", {})[str(key)] = _objects(archive, value, ckpt, f"{OBJ}{key}")
-    return ckpt
+            ckpt.objects.setdefault("extra", {})[str(key)] = _objects(archive, value, ckpt, f"{OBJ}{key}", shallow)
+    return ckpt, found
 
 
-def _objects(archive: TorchArchive, value: Any, ckpt: Checkpoint, prefix: str) -> Any:
+def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
+    """The file's model state dict as ``model/<name>`` (tied entries as aliases),
+    its optimizer state as ``optim/<state>/<name>`` (position keys named by
+    ``param_names`` or by matching shapes in order; where that is ambiguous the
+    weights are read and ``source["optimizer_error"]`` says why the optimizer
+    state is not), and the other top-level entries as ``objects["extra"]``.
+    Every storage's CRC-32 is checked first (RAVEX_NO_CRC=1 skips it)."""
+    return _read(path, param_names)[0]
+
+
+def _objects(archive: TorchArchive, value: Any, ckpt: Checkpoint, prefix: str, shallow: bool = False) -> Any:
     """Small state, with any tensor inside moved out to an ``obj/`` logical tensor."""
     if isinstance(value, TensorRef):
-        ckpt.add(_tensor_chunk(archive, value, prefix))
+        ckpt.add(_tensor_chunk(archive, value, prefix, shallow))
         return TensorLink(prefix)
     if isinstance(value, dict):
-        return type(value)((k, _objects(archive, v, ckpt, f"{prefix}/{k}")) for k, v in value.items())
+        return type(value)((k, _objects(archive, v, ckpt, f"{prefix}/{k}", shallow)) for k, v in value.items())
     if isinstance(value, list):
-        return [_objects(archive, v, ckpt, f"{prefix}/{i}") for i, v in enumerate(value)]
+        return [_objects(archive, v, ckpt, f"{prefix}/{i}", shallow) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return tuple(_objects(archive, v, ckpt, f"{prefix}/{i}") for i, v in enumerate(value))
+        return tuple(_objects(archive, v, ckpt, f"{prefix}/{i}", shallow) for i, v in enumerate(value))
     return value
 
 

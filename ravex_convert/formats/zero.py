@@ -31,7 +31,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
-from ..model import MODEL, OBJ, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, numel
+from ..model import BUFFER, FROZEN, MODEL, OBJ, PARAMETER, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, numel
 from .zero_layout import Groups, RankFile, corrupt, read_flat_groups, read_stage3, stage3_partition, tensor_chunk
 
 __all__ = ["LATEST", "ZeroLayout", "describe", "locate", "read", "sniff"]
@@ -250,18 +250,6 @@ def _model_states_file(layout: ZeroLayout) -> Path:
     return plain if plain.is_file() else layout.model_files[min(layout.model_files)]
 
 
-def _find_optimizer_state(osd: dict[str, Any]) -> dict[str, Any] | None:
-    """The wrapped torch optimizer's state dict, wherever this stage keeps it."""
-    for key in ("base_optimizer_state", "optimizer_state_dict"):
-        v = osd.get(key)
-        if isinstance(v, dict) and "state" in v:
-            return v
-        if isinstance(v, list) and v and isinstance(v[0], dict):
-            # elastic checkpoints: one lean state dict per param group
-            return {"state": dict(enumerate(v)), "param_groups": osd.get("param_groups")}
-    return None
-
-
 def _open_model_states(layout: ZeroLayout) -> tuple[TorchArchive, dict[str, Any]]:
     """Rank 0's model-states file and its contents (refused if not DeepSpeed's)."""
     model = open_archive(_model_states_file(layout))
@@ -275,45 +263,48 @@ def _open_model_states(layout: ZeroLayout) -> tuple[TorchArchive, dict[str, Any]
     return model, ms
 
 
+@dataclass
+class _Parsed:
+    """What :func:`_read` parsed beside the checkpoint it returns: the tag
+    directory's files and rank 0's model states (for :func:`describe`)."""
+
+    layout: ZeroLayout
+    ms: dict[str, Any]  # rank 0's model-states file
+    param_shapes: list[dict[str, tuple[int, ...]]]
+
+
 def describe(path: Path, reasons: list[str], tag: str | None = None) -> CheckpointInfo:
-    layout = locate(path, tag)
-    model, ms = _open_model_states(layout)
-    optim0 = open_archive(layout.optim_files[0])
-    osd = optim0.root.get("optimizer_state_dict") if isinstance(optim0.root, dict) else None
-    if not isinstance(osd, dict):
-        raise corrupt(optim0.path, "has no 'optimizer_state_dict'; not a DeepSpeed optimizer file", hint="copy this rank's *_optim_states.pt again from the save")
-
-    ds_config: dict[str, Any] = ms["ds_config"] if isinstance(ms.get("ds_config"), dict) else {}
-    configured = _stage_of(_section(ds_config, "zero_optimization").get("stage"))
-    saved_stage = _stage_of(osd.get("zero_stage"))
-    bf16_optimizer = "zero_stage" not in osd
-    stage = configured if configured is not None else (saved_stage if saved_stage is not None else (1 if bf16_optimizer else None))
-    precision = _precision(ds_config, layout.prefix)
-    variant = "bf16_optimizer" if bf16_optimizer else f"zero{stage}"
-
-    info = CheckpointInfo("zero", variant, str(path), zero_stage=stage, tag=layout.tag, reasons=reasons + layout.reasons)
-    info.world_size = len(layout.optim_files)
+    """What :func:`read` finds, as ``inspect`` shows it: every rank's optimizer
+    file parsed and checked against the others (no tensor byte read), each
+    parameter with the dtype the module held it in (bf16 in a bf16 run; read's
+    ``model/`` tensors are the fp32 masters)."""
+    ckpt, parsed = _read(path, tag, shallow=True)
+    layout = parsed.layout
+    zero = ckpt.objects["zero"]
+    bf16_optimizer = zero["variant"] == "bf16_optimizer"
+    saved = None if bf16_optimizer else zero["stage"]
+    configured = zero["stage_configured"]
+    stage = configured if configured is not None else zero["stage"]
+    info = CheckpointInfo("zero", "bf16_optimizer" if bf16_optimizer else f"zero{stage}", str(path), world_size=ckpt.world_size,
+                          zero_stage=stage, step=ckpt.step, tag=layout.tag, reasons=reasons + layout.reasons)
     prefix_note = f" with the '{layout.prefix}' prefix ({layout.prefix[:-1]} was on)" if layout.prefix else ""
     info.reasons.append(f"{info.world_size} per-rank optimizer files{prefix_note}")
     if bf16_optimizer:
         info.reasons.append("the optimizer state has no 'zero_stage' key: DeepSpeed's BF16_Optimizer (ZeRO-1 with fp32 gradient accumulation)")
     else:
-        info.reasons.append(f"the optimizer state says zero_stage={saved_stage}" + (f"; ds_config says stage {configured}" if configured is not None else ""))
-    partition_count = osd.get("partition_count")
-    counts = partition_count if isinstance(partition_count, list) else [partition_count]
-    if all(isinstance(c, int) for c in counts) and counts and max(counts) != info.world_size:
-        raise rank_count_error(layout, "the optimizer state", max(counts), info.world_size)
-    info.extra["precision"] = precision
-    info.extra["ds_version"] = ms.get("ds_version")
-    info.extra["zero_stage_saved"] = saved_stage
-    info.step = ms.get("global_steps") if isinstance(ms.get("global_steps"), int) else None
-    _tensors(info, ms, model)
-    _optimizer(info, osd, optim0)
-    # Inspect is what people run to ask "is this checkpoint OK?": every file's
-    # zip directory (its last few hundred bytes) must be whole, though only
-    # rank 0's files are parsed.
-    for p in sorted({*layout.model_files.values(), *layout.optim_files.values()} - {model.path, optim0.path}):
-        check_archive(p)
+        info.reasons.append(f"the optimizer state says zero_stage={saved}" + (f"; ds_config says stage {configured}" if configured is not None else ""))
+    info.extra["precision"] = ckpt.source["precision"]
+    info.extra["ds_version"] = ckpt.source["ds_version"]
+    info.extra["zero_stage_saved"] = saved
+    info.tensors = _tensor_infos(ckpt, parsed)
+    info.aliases = {a[len(MODEL):]: t[len(MODEL):] for a, t in ckpt.aliases.items()}
+    states = ckpt.optimizer_state_names()
+    groups = ckpt.objects.get("optim.param_groups")
+    trainable = [n for g in parsed.param_shapes for n in g]
+    master = ckpt.tensors[MODEL + trainable[0]].dtype if trainable else None
+    info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(states) else ("unknown" if states else "none"), states,
+                                   len(groups) if isinstance(groups, list) else None, master)
+    info.notes = list(ckpt.notes)
     files: list[FileInfo] = []
     for r, p in sorted(layout.model_files.items()):
         files.append(FileInfo(str(p.relative_to(layout.root)), p.stat().st_size, "model_states", r if p.name.startswith("zero_pp") else None))
@@ -323,47 +314,25 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
     return info
 
 
-def _tensors(info: CheckpointInfo, ms: dict[str, Any], model: TorchArchive) -> None:
-    module: dict[str, Any] = ms["module"] if isinstance(ms.get("module"), dict) else {}
-    buffers = _names(ms.get("buffer_names"), model.path, "buffer_names")
-    frozen = _shapes_dict(ms.get("frozen_param_shapes"), model.path, "frozen_param_shapes") or {}
-    shared = ms.get("shared_params") or {}
-    for group in _param_shapes(ms, model.path):
-        for name, shape in group.items():
-            ref = module.get(name)
-            dtype = ref.dtype if isinstance(ref, TensorRef) else "float32"
-            info.tensors.append(TensorInfo(name, tuple(shape), dtype, "param"))
-    if frozen:
-        for name, shape in frozen.items():
-            ref = module.get(name)
-            info.tensors.append(TensorInfo(name, tuple(shape), ref.dtype if isinstance(ref, TensorRef) else "float32", "frozen"))
-    listed = {t.name for t in info.tensors}
-    for name, ref in module.items():
-        if name in listed or name in shared or not isinstance(ref, TensorRef):
-            continue
-        if name in buffers:
-            info.tensors.append(TensorInfo(name, ref.shape, ref.dtype, "buffer"))
-        elif not ms.get("frozen_param_shapes") and not ref.requires_grad and ref.numel > 0:
-            # ZeRO-1 records no frozen_param_shapes: a frozen param lives only in `module`.
-            info.tensors.append(TensorInfo(name, ref.shape, ref.dtype, "frozen"))
-            info.notes.append(f"'{name}' is a frozen parameter kept only in the module state (ZeRO-1 records no frozen_param_shapes)")
-    if isinstance(shared, dict):
-        info.aliases = {str(k): str(v) for k, v in shared.items()}
+_SHOWN_KIND = {PARAMETER: "param", FROZEN: "frozen", BUFFER: "buffer"}  # the kinds read gives, as inspect names them
 
 
-def _optimizer(info: CheckpointInfo, osd: dict[str, Any], optim0: TorchArchive) -> None:
-    inner = _find_optimizer_state(osd)
-    names: list[str] = []
-    if inner is not None:
-        state = inner.get("state")
-        for per in state.values() if isinstance(state, dict) else ():
-            if isinstance(per, dict):
-                names.extend(k for k in per if k not in names)
-    masters = osd.get("single_partition_of_fp32_groups") or osd.get("fp32_flat_groups") or osd.get("fp32_groups") or []
-    master_dtype = next((m.dtype for m in masters if isinstance(m, TensorRef)), None) if isinstance(masters, list) else None
-    groups = inner.get("param_groups") if inner is not None else None
-    kind = "Adam" if {"exp_avg", "exp_avg_sq"} <= set(names) else ("unknown" if names else "none")
-    info.optimizer = OptimizerInfo(kind, names, len(groups) if isinstance(groups, list) else None, master_dtype)
+def _tensor_infos(ckpt: Checkpoint, parsed: _Parsed) -> list[TensorInfo]:
+    """The model's tensors with the kinds read gave them, as the module held
+    them: trainable parameters in ``param_shapes`` order, then frozen ones,
+    then buffers in module order; each in the module's dtype where it records one."""
+    module: dict[str, Any] = parsed.ms["module"] if isinstance(parsed.ms.get("module"), dict) else {}
+    frozen = parsed.ms.get("frozen_param_shapes")
+    order = list(dict.fromkeys([*(n for g in parsed.param_shapes for n in g), *(map(str, frozen) if isinstance(frozen, dict) else ()),
+                                *map(str, module), *(n[len(MODEL):] for n in ckpt.tensors if n.startswith(MODEL))]))
+    out = []
+    for name in order:
+        t = ckpt.tensors.get(MODEL + name)
+        if t is None:
+            continue  # a tied name (an alias), or a module entry read did not take (its notes say so)
+        ref = module.get(name)
+        out.append(TensorInfo(name, t.shape, ref.dtype if isinstance(ref, TensorRef) else t.dtype, _SHOWN_KIND.get(t.kind or FROZEN, "frozen")))
+    return out
 
 
 # ----------------------------------------------------------------------------
@@ -380,10 +349,25 @@ def read(path: Path, tag: str | None = None) -> Checkpoint:
     geometry as the master) and ``step`` (a 0-d tensor per parameter, the
     bytes of its group's step). Tied parameters are ``aliases``.
     """
+    return _read(path, tag)[0]
+
+
+def _read(path: Path, tag: str | None = None, *, shallow: bool = False) -> tuple[Checkpoint, _Parsed]:
+    """The one parse of a tag directory. ``shallow`` (for describe): every
+    optimizer file is still parsed and checked, but no tensor byte is read (no
+    CRC pass, no strided view gathered) and ZeRO-3's per-rank model-states
+    files are not parsed (their zip directories are checked), so the frozen
+    parameters' chunks are rank 0's only: the result says what the checkpoint
+    holds but is not for converting."""
     layout = locate(path, tag)
     ws = len(layout.optim_files)
     model, ms = _open_model_states(layout)
-    ranks = [_rank_file(r, layout.optim_files[r]) for r in range(ws)]
+    first = _rank_file(0, layout.optim_files[0])
+    # Every other rank file's zip directory (its last few hundred bytes) before
+    # any of them is parsed: a truncated file is named as such.
+    for p in sorted({*layout.model_files.values(), *layout.optim_files.values()} - {model.path, first.path}):
+        check_archive(p)
+    ranks = [first, *(_rank_file(r, layout.optim_files[r]) for r in range(1, ws))]
     bf16_optimizer, stage = _saved_variant(ranks)
     _check_partitions(layout, ranks, stage, ms, model.path)
     ds_config: dict[str, Any] = ms["ds_config"] if isinstance(ms.get("ds_config"), dict) else {}
@@ -407,9 +391,9 @@ def read(path: Path, tag: str | None = None) -> Checkpoint:
         ref = module.get(name)
         if not isinstance(ref, TensorRef):
             raise corrupt(model.path, f"buffer '{name}' is listed in buffer_names but not saved in 'module'")
-        ckpt.add(_whole(model, ref, MODEL + name, f"buffer '{name}'"))
+        ckpt.add(_whole(model, ref, MODEL + name, f"buffer '{name}'", shallow))
     opened = {model.path: model, **{rf.path: rf.archive for rf in ranks}}
-    _read_frozen(ckpt, layout, model, ms, stage, trainable | set(buffers) | {str(a) for a in shared}, opened)
+    _read_frozen(ckpt, layout, model, ms, stage, trainable | set(buffers) | {str(a) for a in shared}, opened, shallow)
     for alias, target in shared.items():
         if MODEL + str(target) not in ckpt.tensors:
             raise corrupt(model.path, f"shared_params ties '{alias}' to '{target}', which is not a saved parameter")
@@ -418,15 +402,21 @@ def read(path: Path, tag: str | None = None) -> Checkpoint:
     if left:
         ckpt.notes.append(f"module entries not read (neither parameters, buffers nor frozen parameters): {', '.join(map(str, left))}")
 
+    buffer_set = set(buffers)
+    for name, t in ckpt.tensors.items():  # DeepSpeed says which is which: no writer reopens the files to find out
+        if name.startswith(MODEL):
+            fqn = name[len(MODEL):]
+            t.kind = PARAMETER if fqn in trainable else BUFFER if fqn in buffer_set else FROZEN
     ckpt.objects["optim.param_groups"] = _param_groups(groups)
     if "lr_scheduler" in ms and ms["lr_scheduler"] is not None:
-        ckpt.objects["lr_scheduler"] = _plain(ms["lr_scheduler"], ckpt, model, f"{OBJ}lr_scheduler")
+        ckpt.objects["lr_scheduler"] = _plain(ms["lr_scheduler"], ckpt, model, f"{OBJ}lr_scheduler", shallow)
     if ranks[0].osd.get("loss_scaler") is not None:
-        ckpt.objects["loss_scaler"] = _plain(ranks[0].osd["loss_scaler"], ckpt, ranks[0].archive, f"{OBJ}loss_scaler")
+        ckpt.objects["loss_scaler"] = _plain(ranks[0].osd["loss_scaler"], ckpt, ranks[0].archive, f"{OBJ}loss_scaler", shallow)
     ckpt.objects["zero"] = _provenance(ms, ranks, stage, variant, precision, ds_config, groups)
     _check_bytes(ckpt)
-    _verify_crcs(ckpt, opened)
-    return ckpt
+    if not shallow:
+        _verify_crcs(ckpt, opened)
+    return ckpt, _Parsed(layout, ms, param_shapes)
 
 
 def _verify_crcs(ckpt: Checkpoint, opened: dict[Path, TorchArchive]) -> None:
@@ -518,22 +508,25 @@ def _param_shapes(ms: dict[str, Any], path: Path) -> list[dict[str, tuple[int, .
     return out
 
 
-def _whole(archive: TorchArchive, ref: TensorRef, name: str, what: str) -> LogicalTensor:
-    """A whole tensor saved as itself (buffers, frozen parameters in ``module``)."""
+def _whole(archive: TorchArchive, ref: TensorRef, name: str, what: str, shallow: bool = False) -> LogicalTensor:
+    """A whole tensor saved as itself (buffers, frozen parameters in ``module``);
+    a strided view is gathered, except ``shallow`` (it is then left without its chunk)."""
     t = LogicalTensor(name, ref.shape, ref.dtype)
     if ref.is_contiguous():
         t.chunks.append(tensor_chunk(archive, ref, 0, ref.numel, t.whole(), what))
-    else:
+    elif not shallow:
         t.chunks.append(Chunk(t.whole(), ref.dtype, data=gather_strided(archive, ref, what)))
     return t
 
 
 def _read_frozen(
-    ckpt: Checkpoint, layout: ZeroLayout, model: TorchArchive, ms: dict[str, Any], stage: int, known: set[str], opened: dict[Path, TorchArchive]
+    ckpt: Checkpoint, layout: ZeroLayout, model: TorchArchive, ms: dict[str, Any], stage: int, known: set[str], opened: dict[Path, TorchArchive],
+    shallow: bool = False,
 ) -> None:
     """Frozen (requires_grad=False) parameters: no fp32 master exists, the files
     hold them in the working dtype. Stage 2: whole, in ``frozen_param_fragments``;
-    stage 3: one flat ``ceil(numel/ws)`` piece per rank's model-states file;
+    stage 3: one flat ``ceil(numel/ws)`` piece per rank's model-states file
+    (``shallow``: rank 0's piece only, the other files left unparsed);
     ZeRO-1 and BF16_Optimizer record none (``frozen_param_shapes`` is None): the
     value is only in ``module``."""
     shapes = _shapes_dict(ms.get("frozen_param_shapes"), model.path, "frozen_param_shapes")
@@ -544,7 +537,7 @@ def _read_frozen(
                 continue
             if ref.numel == 0 and stage == 3:
                 raise corrupt(model.path, f"'{name}' is an empty placeholder in 'module' and no frozen_param_shapes say where it is")
-            ckpt.add(_whole(model, ref, MODEL + str(name), f"frozen parameter '{name}'"))
+            ckpt.add(_whole(model, ref, MODEL + str(name), f"frozen parameter '{name}'", shallow))
             ckpt.notes.append(f"'{name}' is a frozen parameter kept only in the module state (zero{stage} records no frozen_param_shapes)")
         return
     if stage != 3:
@@ -559,7 +552,7 @@ def _read_frozen(
             ckpt.add(whole)
         return
     ws = len(layout.optim_files)
-    archives = [model if layout.model_files[r] == model.path else open_archive(layout.model_files[r]) for r in range(ws)]
+    archives = [model if layout.model_files[r] == model.path else open_archive(layout.model_files[r]) for r in range(1 if shallow else ws)]
     opened.update((a.path, a) for a in archives)
     for name, shape in shapes.items():
         shape = tuple(shape)
@@ -587,24 +580,24 @@ def _param_groups(groups: Groups) -> list[dict[str, Any]]:
     return out
 
 
-def _plain(value: Any, ckpt: Checkpoint, archive: TorchArchive, prefix: str) -> Any:
+def _plain(value: Any, ckpt: Checkpoint, archive: TorchArchive, prefix: str, shallow: bool = False) -> Any:
     """Small state as plain data: a DeepSpeed record becomes a dict of its state
     (an enum its value), a tensor an ``obj/`` logical tensor and a link."""
     if isinstance(value, Record):
         if isinstance(value.state, dict):
-            return {str(k): _plain(v, ckpt, archive, f"{prefix}/{k}") for k, v in value.state.items()}
+            return {str(k): _plain(v, ckpt, archive, f"{prefix}/{k}", shallow) for k, v in value.state.items()}
         if len(value.args) == 1 and value.state is None:
-            return _plain(value.args[0], ckpt, archive, prefix)
-        return {"class": value.cls, "args": [_plain(a, ckpt, archive, f"{prefix}/{i}") for i, a in enumerate(value.args)]}
+            return _plain(value.args[0], ckpt, archive, prefix, shallow)
+        return {"class": value.cls, "args": [_plain(a, ckpt, archive, f"{prefix}/{i}", shallow) for i, a in enumerate(value.args)]}
     if isinstance(value, TensorRef):
-        ckpt.add(_whole(archive, value, prefix, prefix[len(OBJ):]))
+        ckpt.add(_whole(archive, value, prefix, prefix[len(OBJ):], shallow))
         return TensorLink(prefix)
     if isinstance(value, dict):
-        return {k: _plain(v, ckpt, archive, f"{prefix}/{k}") for k, v in value.items()}
+        return {k: _plain(v, ckpt, archive, f"{prefix}/{k}", shallow) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v, ckpt, archive, f"{prefix}/{i}") for i, v in enumerate(value)]
+        return [_plain(v, ckpt, archive, f"{prefix}/{i}", shallow) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return tuple(_plain(v, ckpt, archive, f"{prefix}/{i}") for i, v in enumerate(value))
+        return tuple(_plain(v, ckpt, archive, f"{prefix}/{i}", shallow) for i, v in enumerate(value))
     return value
 
 

@@ -301,6 +301,9 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int, p
     return WritePlan(True, files, [(zero.LATEST, plan.tag.encode())], summary, threads=opts.threads)
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Callable[[int], None] | None = None, **kwargs: Any) -> dict[str, Any]:
-    """:func:`plan_write` (``kwargs``: its options), executed and committed."""
-    return run(plan_write(ckpt, dst, opts, **kwargs), dst, force=opts.force, progress=progress)
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Callable[[int], None] | None = None, *, zero_stage: int,
+          precision: str | None = None, tag: str | None = None, buffers: Collection[str] | None = None,
+          hyperparameters: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """:func:`plan_write`, executed and committed."""
+    plan = plan_write(ckpt, dst, opts, zero_stage=zero_stage, precision=precision, tag=tag, buffers=buffers, hyperparameters=hyperparameters)
+    return run(plan, dst, force=opts.force, progress=progress)

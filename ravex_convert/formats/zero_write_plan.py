@@ -25,7 +25,7 @@ from .._engine import chunk_bytes
 from .._output import FLOAT_DTYPES, Options, _strip
 from .._torchzip import open_archive
 from ..errors import LayoutMismatchError, RavexError
-from ..model import MODEL, OPTIM, Checkpoint, LogicalTensor
+from ..model import BUFFER, MODEL, OPTIM, Checkpoint, LogicalTensor
 
 __all__ = ["DS_VERSION", "PRECISIONS", "SUB_GROUP_SIZE", "Group", "Param", "Plan", "find", "make_plan"]
 
@@ -225,11 +225,11 @@ def _group_state(ckpt: Checkpoint, g: int, params: list[Param], state_names: lis
     return Group(params, {}, scalars, moments)  # hyper-parameters: _hyper
 
 
-def _zero_source(ckpt: Checkpoint) -> tuple[list[str] | None, list[str], list[Path]]:
-    """From a DeepSpeed source's files: its buffer names, its module's key order,
-    and its copies of DeepSpeed's recovery scripts."""
+def _zero_source(ckpt: Checkpoint) -> tuple[list[str], list[Path]]:
+    """From a DeepSpeed source's files: its module's key order, and its copies
+    of DeepSpeed's recovery scripts."""
     if ckpt.format != "zero":
-        return None, [], []
+        return [], []
     root = ckpt.path
     tag = ckpt.source.get("tag")
     dirs = [root / str(tag), root] if tag else [root]
@@ -240,34 +240,31 @@ def _zero_source(ckpt: Checkpoint) -> tuple[list[str] | None, list[str], list[Pa
                 if not isinstance(ms, dict):
                     break
                 module = ms.get("module")
-                buffers = ms.get("buffer_names")
                 scripts = [root / s for s in _SCRIPTS if (root / s).is_file()]
-                return ([str(b) for b in buffers] if isinstance(buffers, list) else None,
-                        [str(k) for k in module] if isinstance(module, dict) else [], scripts)
-    return None, [], []
+                return [str(k) for k in module] if isinstance(module, dict) else [], scripts
+    return [], []
 
 
 def _classify(ckpt: Checkpoint, opts: Options, stage: int, trainable: set[str], frozen_empty: list[str],
               buffers: Collection[str] | None, notes: list[str]) -> tuple[dict[str, str], list[str], list[Path]]:
     """Every stored model tensor's kind. DeepSpeed keeps a frozen parameter in
     ``frozen_param_fragments`` (and, under stage 3, as a placeholder in
-    ``module``) but a buffer only in ``module``; most formats do not say which a
-    non-trained tensor is."""
-    src_buffers, src_order, scripts = _zero_source(ckpt)
+    ``module``) but a buffer only in ``module``. The checkpoint model says which
+    is which where the source did (DeepSpeed, the runtime's stores: each
+    tensor's ``kind``); ``buffers`` (--buffers) says it for the others."""
+    src_order, scripts = _zero_source(ckpt)
     if opts.strip_prefix:
         def strip(n: str) -> str:
             return _strip(MODEL + n, opts.strip_prefix)[len(MODEL):]
-        src_buffers = None if src_buffers is None else [strip(b) for b in src_buffers]
         src_order = [strip(n) for n in src_order]
+    known: set[str] | None = None
     if buffers is not None:
         given = set(buffers)
         unknown = sorted(given - {n[len(MODEL):] for n in ckpt.tensors if n.startswith(MODEL)} - {a[len(MODEL):] for a in ckpt.aliases})
         if unknown:
             raise RavexError(f"buffers names '{unknown[0]}', which is not among the checkpoint's model tensors",
                              hint="list the model's persistent buffers by their state-dict names")
-        known: set[str] | None = given
-    else:
-        known = None if src_buffers is None else set(src_buffers)
+        known = given
     kinds: dict[str, str] = {}
     either: list[str] = []
     for n, t in ckpt.tensors.items():
@@ -280,6 +277,8 @@ def _classify(ckpt: Checkpoint, opts: Options, stage: int, trainable: set[str], 
             kinds[name] = "frozen"
         elif known is not None:
             kinds[name] = "buffer" if name in known else "frozen"
+        elif t.kind is not None:
+            kinds[name] = "buffer" if t.kind == BUFFER else "frozen"  # recorded: frozen, or a parameter without optimizer state
         elif t.dtype not in FLOAT_DTYPES:
             kinds[name] = "buffer"
         else:
