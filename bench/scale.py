@@ -13,16 +13,16 @@ planner checks every chunk's byte range against its file's size; a 4.9 TB checkp
 
 Then what the writers do before the first byte moves, and nothing else (no file is created, no byte copied):
 
-- ``dcp``: ``select`` + ``dcp_write._plan`` (the per-rank items: every dim-0 box as a ``torch.save`` archive layout)
-  + ``dcp_write._metadata`` (the ``.metadata`` pickle) + the :class:`CopyJob` the writer builds + ``_core.plan_summary``
-  over that job (the Rust planner and validation ``execute`` runs before copying);
-- ``safetensors``: weights only, ``--dtype bfloat16 --max-shard-size 5GB``: ``select`` + ``_plan_shards`` + every
-  shard's ``_header`` + the index + the :class:`CopyJob` + ``_core.plan_summary``;
+- ``dcp``: ``select`` + ``dcp_write.plan_write`` (the per-rank items: every dim-0 box as a ``torch.save`` archive
+  layout, and the ``.metadata`` pickle) + ``plan.copy_job`` over its files (the one executor job ``plan.run`` gives a
+  process that writes them all) + ``_core.plan_summary`` over that job (the Rust planner and validation ``execute``
+  runs before copying);
+- ``safetensors``: weights only, ``--dtype bfloat16 --max-shard-size 5GB``: ``select`` + ``safetensors.plan_write``
+  (shards, headers, the index) + ``plan.copy_job`` + ``_core.plan_summary``;
 - ``dry-run``: ``convert.plan`` (what ``ravex convert --dry-run`` prints: every tensor into one whole target).
 
-The CopyJob lines mirror ``dcp_write.write`` and ``safetensors.write`` (they build the job inline, between file
-creation and ``job.run``); ``--check`` runs the real writers on a tiny shape with ``CopyJob.run`` replaced by a capture
-and asserts that the mirrored job is the same, so the benchmark cannot drift from the writers silently.
+These are the writers' own functions; ``--check`` runs the real writers on a tiny shape with ``CopyJob.run``
+replaced by a capture and asserts that the job planned here is the one they run.
 
 Every (shape, target) runs in a fresh interpreter. Time: the median of ``--runs`` plans, each on a fresh ``select``.
 Memory, in the first run: the peak RSS above the RSS before planning (``VmHWM`` reset through ``/proc/self/clear_refs``
@@ -56,12 +56,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ravex_convert import _core
-from ravex_convert._engine import CopyJob, Target
-from ravex_convert._output import Options, out_dtype, select
+from ravex_convert._engine import CopyJob
+from ravex_convert._output import Options, select
 from ravex_convert.convert import plan as dry_run_plan
 from ravex_convert.formats import dcp_write, safetensors
 from ravex_convert.formats.zero_layout import stage3_partition, stage3_pieces
-from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint, Chunk, Flat, LogicalTensor, itemsize
+from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint, Chunk, Flat, LogicalTensor
+from ravex_convert.plan import copy_job
 
 DOC = os.path.join(ROOT, "docs", "benchmarks-scale.md")
 RESULTS = os.path.join(ROOT, "bench", "out", "scale-results.json")
@@ -199,34 +200,14 @@ def plan_dcp(ckpt: Checkpoint, ws: int, rust: Callable[[CopyJob], Any]) -> dict[
     out = select(ckpt, opts)
     phases: dict[str, float] = {}
     t = time.perf_counter()
-    plan = dcp_write._plan(out, opts)
-    phases["layout"] = time.perf_counter() - t
+    plan = dcp_write.plan_write(out, Path("/nonexistent/dst"), opts)  # the per-rank item layouts and the .metadata pickle
+    phases["plan_write"] = time.perf_counter() - t
     t = time.perf_counter()
-    meta = dcp_write._metadata(plan, "current")
-    phases["metadata"] = time.perf_counter() - t
-    t = time.perf_counter()
-    job = dcp_job(out, plan, Path("/nonexistent/dst"))
-    per_rank: list[list[Any]] = [[] for _ in range(ws)]
-    for it in plan.items:
-        per_rank[it.rank].append(it)
-    crc_ranges = [(r, it.data_offset, it.layout.entries[it.layout.data_entries[0]].size)
-                  for r in range(ws) for it in per_rank[r] if it.layout.data_entries]
+    job, crc_ranges = copy_job(plan.files, [Path("/nonexistent/dst") / f.rel for f in plan.files])
     phases["copy job"] = time.perf_counter() - t
-    return {"phases": phases, "job": job, "summary": rust(job), "items": len(plan.items), "files": ws + 1,
-            "out_bytes": sum(plan.file_sizes) + len(meta), "metadata_bytes": len(meta), "crc_ranges": len(crc_ranges)}
-
-
-def dcp_job(ckpt: Checkpoint, plan: Any, tmp: Path) -> CopyJob:
-    """``dcp_write.write``'s CopyJob (targets: the rank files, each box at its item's data offset)."""
-    job = CopyJob()
-    for r in range(plan.world_size):
-        job.target(tmp / dcp_write._file_name(r))
-    for key, _, value in plan.flat:
-        if isinstance(value, dcp_write._Leaf):
-            targets = [Target(it.rank, it.data_offset, it.box, value.dtype) for it in plan.by_key[key] if it.box and it.box.numel]
-            if targets:
-                job.add(ckpt.tensors[value.source], targets)
-    return job
+    meta = plan.commit[0][1] if isinstance(plan.commit, list) else b""
+    return {"phases": phases, "job": job, "summary": rust(job), "items": plan.summary["items"], "files": ws + 1,
+            "out_bytes": plan.summary["bytes"], "metadata_bytes": len(meta), "crc_ranges": len(crc_ranges)}
 
 
 def plan_safetensors(ckpt: Checkpoint, ws: int, rust: Callable[[CopyJob], Any]) -> dict[str, Any]:
@@ -234,30 +215,13 @@ def plan_safetensors(ckpt: Checkpoint, ws: int, rust: Callable[[CopyJob], Any]) 
     out = select(ckpt, opts)
     phases: dict[str, float] = {}
     t = time.perf_counter()
-    job, names, total, index = safetensors_job(out, opts, Path("/nonexistent/dst"))
-    phases["layout + copy job"] = time.perf_counter() - t
-    return {"phases": phases, "job": job, "summary": rust(job), "files": len(names) + 1, "out_bytes": total + len(index)}
-
-
-def safetensors_job(ckpt: Checkpoint, opts: Options, tmp: Path) -> tuple[CopyJob, list[str], int, bytes]:
-    """``safetensors.write``'s shards, headers, CopyJob and index (a directory DST, no aliases)."""
-    tensors = [t for n, t in ckpt.tensors.items() if n.startswith(MODEL)]
-    shards = safetensors._plan_shards(tensors, opts, False)
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    job = CopyJob()
-    total = 0
-    weight_map: dict[str, str] = {}
-    for fname, shard in zip(names, shards):
-        head, offsets = safetensors._header(shard, opts, {"format": "pt"})
-        total += len(head) + sum(t.numel * itemsize(out_dtype(t, opts)) for t in shard)
-        ti = job.target(tmp / fname)
-        for t, off in zip(shard, offsets):
-            job.add(t, [Target(ti, len(head) + off, t.whole(), out_dtype(t, opts))])
-            weight_map[t.name[len(MODEL):]] = fname
-    meta = {"total_size": sum(t.numel * itemsize(out_dtype(t, opts)) for t in tensors)}
-    index = json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, indent=2).encode()
-    return job, names, total, index
+    plan = safetensors.plan_write(out, Path("/nonexistent/dst"), opts)  # shards, headers, index
+    phases["plan_write"] = time.perf_counter() - t
+    t = time.perf_counter()
+    job, _ = copy_job(plan.files, [Path("/nonexistent/dst") / f.rel for f in plan.files])
+    phases["copy job"] = time.perf_counter() - t
+    index = plan.commit[0][1] if isinstance(plan.commit, list) and plan.commit else b""
+    return {"phases": phases, "job": job, "summary": rust(job), "files": len(plan.files) + 1, "out_bytes": plan.summary["bytes"] + len(index)}
 
 
 def plan_dry_run(ckpt: Checkpoint, ws: int, rust: Callable[[CopyJob], Any]) -> dict[str, Any]:
@@ -384,8 +348,8 @@ def measure(key: str, target: str, runs: int, workdir: Path) -> dict[str, Any]:
 
 
 def check() -> None:
-    """The mirrored jobs are the ones the writers build: run both writers on a tiny shape (sparse sources, so nothing
-    is copied: ``CopyJob.run`` is replaced by a capture) and compare."""
+    """The jobs planned here are the ones the writers run: both writers on a tiny shape (sparse sources, so nothing
+    is copied: ``CopyJob.run`` is replaced by a capture), compared with ``copy_job`` over their own plans."""
     captured: list[CopyJob] = []
     real_run = CopyJob.run
 
@@ -401,11 +365,13 @@ def check() -> None:
             opts = Options(world_size=TINY.dst_ws)
             out = select(ckpt, opts)
             dcp_write.write(out, Path(d) / "dcp", opts)
-            mine = dcp_job(out, dcp_write._plan(out, opts), Path(d) / "dcp.ravex-tmp")
+            plan = dcp_write.plan_write(out, Path(d) / "dcp", opts)
+            mine = copy_job(plan.files, [Path(d) / f.rel for f in plan.files])[0]
             sopts = Options(weights_only=True, dtype="bfloat16", max_shard_size=20_000)
             sout = select(ckpt, sopts)
             safetensors.write(sout, Path(d) / "st", sopts)
-            mine_st = safetensors_job(sout, sopts, Path(d) / "st.ravex-tmp")[0]
+            splan = safetensors.plan_write(sout, Path(d) / "st", sopts)
+            mine_st = copy_job(splan.files, [Path(d) / f.rel for f in splan.files])[0]
         finally:
             CopyJob.run = real_run  # type: ignore[method-assign]
         for name, theirs, ours in (("dcp", captured[0], mine), ("safetensors", captured[1], mine_st)):
@@ -413,7 +379,7 @@ def check() -> None:
                     [Path(p).name for p in theirs.targets] == [Path(p).name for p in ours.targets])
             if not same:
                 raise SystemExit(f"--check: the {name} job built here differs from the one {name} writer builds; update bench/scale.py")
-            print(f"check: {name}: the mirrored CopyJob equals the writer's ({len(ours.tensors)} tensors, {len(ours.targets)} targets)")
+            print(f"check: {name}: the planned CopyJob equals the writer's ({len(ours.tensors)} tensors, {len(ours.targets)} targets)")
 
 
 # ---------------------------------------------------------------- the parent: run, table, doc

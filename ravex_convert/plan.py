@@ -29,7 +29,7 @@ from .errors import RavexError, from_os_error
 from .model import LogicalTensor, Region
 from .storage import resolve
 
-__all__ = ["OutFile", "WritePlan", "assign", "run"]
+__all__ = ["OutFile", "WritePlan", "assign", "copy_job", "run"]
 
 
 @dataclass
@@ -80,6 +80,23 @@ def assign(files: list[OutFile], ranks: int) -> list[int]:
     return owner
 
 
+def copy_job(files: list[OutFile], paths: list[Path]) -> tuple[CopyJob, list[tuple[int, int, int]]]:
+    """The one executor job that fills ``files`` (written at ``paths``), each tensor
+    added once with all its destinations, and the (target, offset, length) ranges
+    whose CRC-32 the files' late records need."""
+    job = CopyJob()
+    per_tensor: dict[int, tuple[LogicalTensor, list[Target]]] = {}
+    crc_ranges: list[tuple[int, int, int]] = []
+    for f, path in zip(files, paths, strict=True):
+        ti = job.target(path)
+        for t, offset, region, dtype in f.fills:
+            per_tensor.setdefault(id(t), (t, []))[1].append(Target(ti, offset, region, dtype))
+        crc_ranges += [(ti, off, n) for off, n in f.crc_ranges]
+    for t, targets in per_tensor.values():
+        job.add(t, targets)
+    return job, crc_ranges
+
+
 def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, threads: int) -> dict[str, Any]:
     """Write this rank's files: small records, the executor's copy (CRCs gathered
     on the way), the late records, the seal; each sink closed (durable) before
@@ -87,20 +104,12 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, thre
     sinks = []
     results: dict[str, Any] = {}
     try:
-        job = CopyJob()
-        per_tensor: dict[int, tuple[LogicalTensor, list[Target]]] = {}
-        crc_ranges: list[tuple[int, int, int]] = []
         for f in mine:
             sink = out.scratch(f.size) if f.scratch else out.sink(f.rel, f.size)
             sinks.append(sink)
             for offset, data in f.small:
                 sink.pwrite(data, offset)
-            ti = job.target(sink.path)
-            for t, offset, region, dtype in f.fills:
-                per_tensor.setdefault(id(t), (t, []))[1].append(Target(ti, offset, region, dtype))
-            crc_ranges += [(ti, off, n) for off, n in f.crc_ranges]
-        for t, targets in per_tensor.values():
-            job.add(t, targets)
+        job, crc_ranges = copy_job(mine, [s.path for s in sinks])
         job.run(progress=progress, sync=False, threads=threads, crc_ranges=crc_ranges or None)
         at = 0
         for f, sink in zip(mine, sinks):
