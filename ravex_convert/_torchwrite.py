@@ -268,6 +268,8 @@ class ZipLayout:
     entries: list[_Entry] = field(default_factory=list)
     size: int = 0
     base: int = 0
+    _small: list[tuple[int, bytes]] | None = field(default=None, repr=False)  # the small records, once laid out
+    _total: int | None = field(default=None, repr=False)
 
     def add(self, name: str, size: int, data: bytes | None = None, residue: int | None = None) -> _Entry:
         e = _Entry(f"{self.prefix}/{name}".encode(), size, data=data)
@@ -281,6 +283,7 @@ class ZipLayout:
         e.data_offset = e.header_offset + _LOCAL.size + len(e.name) + e.extra_len
         self.size = e.data_offset + size
         self.entries.append(e)
+        self._small = self._total = None
         return e
 
     def add_torch_save(self, pickle_bytes: bytes, storages: list[tuple[str, int, int | None]]) -> list[int]:
@@ -303,31 +306,38 @@ class ZipLayout:
         pad = e.extra_len - 24
         return struct.pack("<HHQQ", 0x0001, 16, e.size, e.size) + struct.pack("<HH", 0x4246, pad) + b"Z" * pad
 
-    def _local(self, e: _Entry) -> bytes:
-        return _LOCAL.pack(0x04034B50, 45, 0, 0, 0, 0x21, e.crc, 0xFFFFFFFF, 0xFFFFFFFF, len(e.name), e.extra_len) + e.name + self._extra(e)
+    def _local(self, e: _Entry, crc: int | None = None) -> bytes:
+        return _LOCAL.pack(0x04034B50, 45, 0, 0, 0, 0x21, e.crc if crc is None else crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                           len(e.name), e.extra_len) + e.name + self._extra(e)
 
-    def small(self) -> list[tuple[int, bytes]]:
-        """The records whose bytes Python holds, with their headers: (offset in the file, bytes)."""
-        out = []
-        for e in self.entries:
-            if e.data is not None:
-                e.crc = zlib.crc32(e.data)
-                out.append((self.base + e.header_offset, self._local(e) + e.data))
-        return out
+    def small(self, base: int | None = None) -> list[tuple[int, bytes]]:
+        """The records whose bytes Python holds, with their headers: (offset in the file, bytes).
+        ``base``: where the archive starts in its file (default: :attr:`base`); a layout
+        shared by several archives (equal DCP items) is placed once per archive this way."""
+        at = self.base if base is None else base
+        if self._small is None:
+            self._small = []
+            for e in self.entries:
+                if e.data is not None:
+                    e.crc = zlib.crc32(e.data)
+                    self._small.append((e.header_offset, self._local(e) + e.data))
+        return [(at + off, data) for off, data in self._small]
 
-    @property
-    def data_ranges(self) -> list[tuple[int, int]]:
+    def ranges(self, base: int | None = None) -> list[tuple[int, int]]:
         """(offset in the file, length) of each record the executor fills, in order: whose CRC-32 ``late`` needs."""
-        return [(self.base + e.data_offset, e.size) for e in self.entries if e.data is None]
+        at = self.base if base is None else base
+        return [(at + e.data_offset, e.size) for e in self.entries if e.data is None]
 
-    def directory(self) -> bytes:
-        """The central directory and the end records (zip64), placed at ``size``."""
+    def directory(self, crcs: dict[int, int] | None = None) -> bytes:
+        """The central directory and the end records (zip64), placed at ``size``;
+        ``crcs``: entry index -> CRC-32 for the records the executor filled."""
         # fixed timestamps (1980-01-01): the same input gives the same bytes
         dos_time, dos_date = 0, 0x21
+        crcs = crcs or {}
         cd = io.BytesIO()
-        for e in self.entries:
+        for i, e in enumerate(self.entries):
             extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.header_offset)
-            cd.write(_CENTRAL.pack(0x02014B50, 45, 45, 0, 0, dos_time, dos_date, e.crc, 0xFFFFFFFF, 0xFFFFFFFF,
+            cd.write(_CENTRAL.pack(0x02014B50, 45, 45, 0, 0, dos_time, dos_date, crcs.get(i, e.crc), 0xFFFFFFFF, 0xFFFFFFFF,
                                    len(e.name), len(extra), 0, 0, 0, 0, 0xFFFFFFFF) + e.name + extra)
         cd_bytes = cd.getvalue()
         cd_offset = self.size
@@ -340,18 +350,21 @@ class ZipLayout:
 
     @property
     def total(self) -> int:
-        """The archive's size in bytes, directory included."""
-        return self.size + len(self.directory())
+        """The archive's size in bytes, directory included (its length does not depend on the CRCs)."""
+        if self._total is None:
+            self._total = self.size + len(self.directory())
+        return self._total
 
-    def late(self, crcs: list[int]) -> list[tuple[int, bytes]]:
+    def late(self, crcs: list[int], base: int | None = None) -> list[tuple[int, bytes]]:
         """The executor-written records' headers (``crcs``: their CRC-32s, in the order
-        of :attr:`data_ranges`), then the central directory and the end records."""
-        filled = [e for e in self.entries if e.data is None]
+        of :meth:`ranges`), then the central directory and the end records. The layout
+        is not changed: one layout serves every archive that shares it."""
+        at = self.base if base is None else base
+        self.small(at)  # the small records' CRCs, which the directory lists
+        filled = [i for i, e in enumerate(self.entries) if e.data is None]
         if len(crcs) != len(filled):
             raise ValueError(f"{len(crcs)} CRCs for {len(filled)} records")
-        out = []
-        for e, crc in zip(filled, crcs):
-            e.crc = crc
-            out.append((self.base + e.header_offset, self._local(e)))
-        out.append((self.base + self.size, self.directory()))
+        of = dict(zip(filled, crcs))
+        out = [(at + self.entries[i].header_offset, self._local(self.entries[i], of[i])) for i in filled]
+        out.append((at + self.size, self.directory(of)))
         return out

@@ -177,8 +177,10 @@ def _holds_tensor(v: Any) -> bool:
 
 @dataclass
 class _ItemLayout(ZipLayout):
-    """A torch.save archive that starts ``base`` bytes into a ``.distcp`` file
-    (ZipLayout's offsets count from the archive's first byte; its writes move by ``base``)."""
+    """A torch.save archive inside a ``.distcp`` file (ZipLayout's offsets count
+    from the archive's first byte; each item places it at its ``file_offset``).
+    Items of equal dtype and shape share one layout, which is never changed
+    after planning (the CRC-32s are per item, given to ``late``)."""
 
     data_entries: list[int] = field(default_factory=list)  # entries whose bytes the executor writes
 
@@ -244,6 +246,7 @@ def _plan(ckpt: Checkpoint, opts: Options) -> _Plan:
     plan = _Plan(ws, _flatten(_state(ckpt, opts)))
     load = [0] * ws
     floating: list[_Item] = []  # placed after the shards, on the least loaded rank
+    layouts: dict[tuple[str, tuple[int, ...]], _ItemLayout] = {}
     for key, path, value in plan.flat:
         items: list[_Item] = []
         if isinstance(value, _Leaf):
@@ -252,8 +255,12 @@ def _plan(ckpt: Checkpoint, opts: Options) -> _Plan:
             else:
                 boxes = [(-1, Box(tuple(0 for _ in value.shape), value.shape))]
             for i, (rank, box) in enumerate(boxes):
-                pkl = dumps(TensorOut(StorageOut("0", value.dtype, box.numel), box.sizes))
-                items.append(_Item(key, _archive(pkl, box.numel * itemsize(value.dtype)), box, i, rank))
+                # equal shards (same dtype and shape) have equal archives: one layout serves them all
+                shared = layouts.get((value.dtype, box.sizes))
+                if shared is None:
+                    pkl = dumps(TensorOut(StorageOut("0", value.dtype, box.numel), box.sizes))
+                    shared = layouts[(value.dtype, box.sizes)] = _archive(pkl, box.numel * itemsize(value.dtype))
+                items.append(_Item(key, shared, box, i, rank))
         else:
             if _holds_tensor(value):
                 where = "/".join(map(str, path))
@@ -352,9 +359,8 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, metadata_form: str
     files = [OutFile(_file_name(r), plan.file_sizes[r]) for r in range(ws)]
     for it in plan.items:
         f = files[it.rank]
-        it.layout.base = it.file_offset
-        f.small += it.layout.small()
-        f.crc_ranges += it.layout.data_ranges
+        f.small += it.layout.small(it.file_offset)
+        f.crc_ranges += it.layout.ranges(it.file_offset)
     for key, _, value in plan.flat:
         if isinstance(value, _Leaf):
             for it in plan.by_key[key]:
@@ -376,8 +382,8 @@ def _finisher(items: list[_Item]) -> Callable[[list[int]], list[tuple[int, bytes
         out: list[tuple[int, bytes]] = []
         at = 0
         for it in items:
-            n = len(it.layout.data_ranges)
-            out += it.layout.late(crcs[at:at + n])
+            n = len(it.layout.data_entries)
+            out += it.layout.late(crcs[at:at + n], it.file_offset)
             at += n
         return out
 

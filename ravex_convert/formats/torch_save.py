@@ -426,7 +426,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
         records.append((s.key, s.numel * itemsize(s.dtype), found[0] if found else None))
     data_entries = layout.add_torch_save(pickle_bytes, records)
     entries = {name: layout.entries[i] for name, i in zip(storages, data_entries, strict=True)}
-    out = OutFile("", layout.size, small=layout.small(), crc_ranges=layout.data_ranges, finish=layout.late)
+    out = OutFile("", layout.size, small=layout.small(), crc_ranges=layout.ranges(), finish=layout.late)
     out.fills = [(t, entries[name].data_offset, t.whole(), storages[name].dtype) for name, t in ckpt.tensors.items()]
     return WritePlan(False, [out], summary={"files": [dst.name], "tensors": len(ckpt.tensors), "bytes": layout.total}, threads=opts.threads)
 

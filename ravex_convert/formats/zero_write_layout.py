@@ -232,7 +232,7 @@ def archive_files(ckpt: Checkpoint, archives: list[ArchiveOut]) -> tuple[list[Ou
     total = 0
     for archive in archives:
         layout = archive.layout(ckpt)
-        f = OutFile(archive.relpath, layout.size, small=layout.small(), crc_ranges=layout.data_ranges, finish=layout.late)
+        f = OutFile(archive.relpath, layout.size, small=layout.small(), crc_ranges=layout.ranges(), finish=layout.late)
         first_data = 4  # data/<key> records follow data.pkl and the three small records
         for fill in archive.fills:
             s = archive.storages[fill.storage]
