@@ -16,6 +16,7 @@ from .errors import NotFoundError, RavexError, UnknownFormatError, from_os_error
 from .formats import registry
 from .info import CheckpointInfo
 from .model import Checkpoint
+from .storage import local_view
 
 __all__ = ["Detection", "detect", "inspect", "read_checkpoint"]
 
@@ -33,7 +34,7 @@ def detect(path: str | Path) -> Detection:
     Raises :class:`NotFoundError` for a missing path and
     :class:`UnknownFormatError` for anything that is not a checkpoint.
     """
-    p = Path(path)
+    p = local_view(path)  # an objdir: object is read where its backend keeps it (what ranged GETs would return)
     if not p.exists():
         raise NotFoundError(
             f"{p}: no such file or directory",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import DATA
 
-from ravex_convert import convert, read_checkpoint
+from ravex_convert import convert, inspect, read_checkpoint
 from ravex_convert.errors import RavexError
 from ravex_convert.storage import ABSENT, LocalStorage, PreconditionFailed, resolve
 from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation
@@ -115,8 +115,9 @@ def test_objdir_outputs_are_byte_identical_to_local_ones(tmp_path: Path, to: str
     if to == "dcp":  # a fresh save_id per save, as torch writes it
         a.pop(".metadata"), b.pop(".metadata")
     assert a == b and a
-    back = read_checkpoint(storage.local_path(key))  # read back through the bucket's objects
+    back = read_checkpoint(remote)  # read back through the bucket's objects, by the objdir: name
     assert sorted(back.tensors) == sorted(read_checkpoint(local).tensors)
+    assert inspect(remote).format == inspect(local).format
 
 
 def test_a_native_store_on_object_storage_is_refused_for_now(tmp_path: Path) -> None:
