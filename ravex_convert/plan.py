@@ -143,7 +143,8 @@ def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, 
     refused: RavexError | None = None
     if group.rank == 0:
         try:
-            out = storage.output(key, force=force, directory=plan.directory, token=token, create=True, staging=plan.staging)
+            out = storage.output(key, force=force, directory=plan.directory, token=token, create=True, staging=plan.staging,
+                                 commit=tuple(rel for rel, _ in plan.commit) if isinstance(plan.commit, list) else ())
             begun = "ok"
         except RavexError as exc:
             refused = exc

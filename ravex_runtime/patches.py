@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ._passthrough import Passthrough
 from .runtime import Runtime, StopRun
 from .sampler import unstamped
 
@@ -46,20 +47,12 @@ def patched_targets() -> list[tuple[Any, str]]:
     return out
 
 
-class _Iter:
+class _Iter(Passthrough):
     """The DataLoader iterator, seen through Ravex: the top of every iteration is a boundary."""
 
     def __init__(self, rt: Runtime, loader: Any, inner: Any):
-        self._rt, self._loader, self._inner = rt, loader, inner
-
-    def __iter__(self) -> _Iter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        super().__init__(inner)
+        self._rt, self._loader = rt, loader
 
     def __next__(self) -> Any:
         rt = self._rt

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ._passthrough import Passthrough
 from .state import Snapshot
 from .workers import ResumeInit, StampCollate, Stamped, rng_objects
 
@@ -155,21 +156,13 @@ def _set_rng(loader: Any, states: dict[str, torch.Tensor]) -> None:
             g.set_state(states[k])
 
 
-class _Unstamp:
+class _Unstamp(Passthrough):
     """The iterator of a loader with persistent workers: hands out each batch
     without the worker state it carries, and keeps that state."""
 
     def __init__(self, inner: Any, last: dict[int, dict[str, Any]]):
-        self._inner, self._last = inner, last  # worker id -> its states after its latest batch
-
-    def __iter__(self) -> _Unstamp:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        super().__init__(inner)
+        self._last = last  # worker id -> its states after its latest batch
 
     def __next__(self) -> Any:
         batch = next(self._inner)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Self
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
 
 from . import config as _config
+from ._passthrough import Passthrough
 from .config import Config, load_config
 
 if TYPE_CHECKING:
@@ -144,20 +145,12 @@ def _has_state(m: torch.nn.Module) -> bool:
     return next(iter(m.parameters()), None) is not None or next(iter(m.buffers()), None) is not None
 
 
-class _Counted:
+class _Counted(Passthrough):
     """A DataLoader iterator through :meth:`Session.iterate`: counts the batches handed out."""
 
     def __init__(self, inner: Any, st: LoaderState):
-        self._inner, self._st = inner, st
-
-    def __iter__(self) -> _Counted:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        super().__init__(inner)
+        self._st = st
 
     def __next__(self) -> Any:
         batch = next(self._inner)

@@ -132,3 +132,21 @@ def test_local_is_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert isinstance(resolve(tmp_path / "x")[0], LocalStorage)
     monkeypatch.setenv("RAVEX_STORAGE", "objdir")
     assert isinstance(resolve(tmp_path / "x")[0], ObjectDirStorage)
+
+
+def test_local_conditional_put_and_lease(tmp_path: Path) -> None:
+    """The local backend keeps the same promises (on POSIX a lease is an flock; the
+    generation check is as strong as the lease the caller holds)."""
+    local = LocalStorage()
+    key = str(tmp_path / "m.json")
+    g1 = local.put(key, b"1", if_generation=ABSENT)
+    with pytest.raises(PreconditionFailed):
+        local.put(key, b"x", if_generation=ABSENT)
+    local.put(key, b"2", if_generation=g1)
+    assert local.get(key)[0] == b"2"
+    lock = str(tmp_path / "lock")
+    # a second open file description is a second holder, as another process would be
+    with local.lease(lock, "run-a"), pytest.raises(PreconditionFailed, match=r"pid \d+ on host .*, run run-a, since"), local.lease(lock, "run-b"):
+        pass
+    with local.lease(lock, "run-b"):
+        pass

@@ -46,6 +46,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFound
 from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, dim0_shards, itemsize, numel
 from ..plan import OutFile, WritePlan, run
 from ..storage import is_objdir
+from ..storage.local import holder_of
 from . import native
 from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
 from .native_check import check_manifest, metadata_checksum
@@ -92,7 +93,7 @@ def _locked(store: Path, run_id: str) -> Iterator[None]:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             raise RavexError(
-                f"{store}: another process is writing to this store ({_holder(fd)}); Ravex does not wait for it",
+                f"{store}: another process is writing to this store ({holder_of(fd)}); Ravex does not wait for it",
                 hint="only one process may write to a store at a time: wait for that run to finish or stop it, or write to another store",
                 path=store,
             ) from None
@@ -102,15 +103,6 @@ def _locked(store: Path, run_id: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock; the file itself is never deleted
-
-
-def _holder(fd: int) -> str:
-    try:
-        note = json.loads(os.pread(fd, 4096, 0).decode())
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(note["since_unix"])))
-        return f"pid {note['pid']} on host {note['host']}, run {note['run_id']}, since {since}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "holder unknown: the lock file names no process yet"
 
 
 # ---------------------------------------------------------------- small files
@@ -687,12 +679,16 @@ def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: lis
     logical = sum(numel(tuple(t["shape"])) * itemsize(t["dtype"]) for t in tensors.values())
     meta = b""
 
+    by_file: dict[str, list[_Out]] = {}
+    for o in outs:
+        if o.entry is None:
+            by_file.setdefault(o.file, []).append(o)
+
     def commit(sealed: dict[str, Any]) -> list[tuple[str, bytes]]:
         nonlocal meta
         for f in files:
             offsets, stored, sums, _ = sealed[f.rel]
-            mine = [o for o in outs if o.entry is None and o.file == f.rel]
-            for o, off, n, h in zip(mine, offsets, stored, sums, strict=True):
+            for o, off, n, h in zip(by_file[f.rel], offsets, stored, sums, strict=True):
                 o.entry = {"file": f"{rel_dir}/{o.file}", "offset": off, "nbytes": o.nbytes, "stored_nbytes": n,
                            "compression": opts.compression, "region": o.region.to_json(), "checksum": h}
         for o in outs:

@@ -85,10 +85,13 @@ class Stat:
 class Storage(Protocol):
     scheme: str
 
-    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None) -> Output:
+    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None,
+               commit: tuple[str, ...] = ()) -> Output:
         """Begin (``create``) or join (another rank began it, with the same ``token``) an output at ``dst``;
         ``staging``: the name it is built under where a format fixes one (a backend without
-        rename builds it in place, invisible until the format's commit point lists it)."""
+        rename builds it in place, invisible until the format's commit point lists it);
+        ``commit``: the names of the format's commit objects, which a backend without an
+        atomic replace deletes first when ``force`` replaces an older output."""
 
     def exists(self, key: str) -> bool: ...
 

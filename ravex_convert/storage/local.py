@@ -22,10 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .._output import fsync_dir, fsync_fd
-from ..errors import RavexError, from_os_error
+from ..errors import RavexError
 from .base import ABSENT, PreconditionFailed, Stat
 
-__all__ = ["LocalStorage", "remove_tree"]
+__all__ = ["LocalStorage", "holder_of", "remove_tree"]
 
 
 def remove_tree(path: Path) -> None:
@@ -147,7 +147,8 @@ class LocalStorage:
 
     scheme = "file"
 
-    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None) -> _StagedOutput:
+    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None,
+               commit: tuple[str, ...] = ()) -> _StagedOutput:
         return _StagedOutput(Path(dst), force, directory, token, create, staging)
 
     def exists(self, key: str) -> bool:
@@ -211,8 +212,8 @@ class LocalStorage:
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                raise PreconditionFailed(_holder(fd)) from None
-            note = {"pid": os.getpid(), "host": socket.gethostname(), "holder": holder, "since_unix": time.time()}
+                raise PreconditionFailed(holder_of(fd)) from None
+            note = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": holder, "since_unix": time.time()}
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(note).encode(), 0)
             yield
@@ -220,14 +221,11 @@ class LocalStorage:
             os.close(fd)
 
 
-def _holder(fd: int) -> str:
+def holder_of(fd: int) -> str:
+    """Who holds a lock file, from the note its holder wrote into it (the native store's lock too)."""
     try:
         note = json.loads(os.pread(fd, 4096, 0).decode())
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(note["since_unix"])))
-        return f"pid {note['pid']} on host {note['host']}, {note.get('holder', '?')}, since {since}"
+        return f"pid {note['pid']} on host {note['host']}, run {note['run_id']}, since {since}"
     except (OSError, ValueError, KeyError, TypeError):
-        return "holder unknown"
-
-
-def writing_error(exc: OSError, dst: Path) -> RavexError:
-    return from_os_error(exc, path=dst, writing=True)
+        return "holder unknown: the lock file names no process yet"

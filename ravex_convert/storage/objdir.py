@@ -122,7 +122,8 @@ class _SpoolSink:
 
 
 class _Output:
-    def __init__(self, store: ObjectDirStorage, dst: str, force: bool, directory: bool, token: str, create: bool):
+    def __init__(self, store: ObjectDirStorage, dst: str, force: bool, directory: bool, token: str, create: bool,
+                 commit: tuple[str, ...] = ()):
         self.store, self.key, self.directory = store, dst, directory
         self.spool = Path(tempfile.gettempdir()) / f"ravex-spool-{token}"
         self._written: list[str] = []
@@ -137,7 +138,7 @@ class _Output:
                 raise RavexError(f"{SCHEME}{store.root}/{dst}: already exists", hint="pass --force to replace it, or choose another destination")
             # No atomic replace of many objects exists: the old output's commit objects go
             # first, so it stops being a checkpoint before any new object lands.
-            for k in sorted(old, key=lambda k: not k.endswith((".metadata", "latest", ".index.json"))):
+            for k in sorted(old, key=lambda k: k.rsplit("/", 1)[-1] not in commit):
                 store.delete(k)
             if not old and store.local_path(dst).is_dir():
                 with _backend():
@@ -217,8 +218,9 @@ class ObjectDirStorage:
             raise RavexError(f"{key!r}: not an object key (relative, '/'-separated, no '.' or '..')")
         return Path(self.root, key)
 
-    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None) -> _Output:
-        return _Output(self, dst, force, directory, token, create)
+    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None,
+               commit: tuple[str, ...] = ()) -> _Output:
+        return _Output(self, dst, force, directory, token, create, commit)
 
     def exists(self, key: str) -> bool:
         if key.endswith("/"):
