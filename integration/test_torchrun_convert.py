@@ -118,3 +118,27 @@ def test_a_refusal_on_rank_0_stops_every_rank(tmp_path: Path) -> None:
     assert "rank 0 could not begin the output" in res.stderr  # what rank 1 says
     assert _files(dst) == {"keep": b"mine"}
     assert not [p for p in tmp_path.iterdir() if ".ravex-tmp-" in p.name]
+
+
+RANK0_ONLY = """
+import os, sys
+from ravex_convert import convert
+if os.environ["RANK"] == "0":
+    convert(sys.argv[1], sys.argv[2], "dcp", world_size=2)
+"""
+
+
+def test_the_api_on_rank_0_alone_does_not_wait_for_the_other_ranks(tmp_path: Path) -> None:
+    """A training script under torchrun that converts on rank 0 only: the Python API
+    spreads over the job only when asked (the CLI asks), so it neither hangs nor
+    waits for ranks that never call it."""
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0_ONLY)
+    src, one, two = DATA / "fsdp2_ws2" / "checkpoint", tmp_path / "one", tmp_path / "two"
+    res = subprocess.run([ravex_bin(), "convert", str(src), str(one), "--to", "dcp", "--world-size", "2", "--quiet"],
+                         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr
+    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(src), str(two)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=180, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert _comparable(_files(one)) == _comparable(_files(two))

@@ -214,7 +214,7 @@ def convert_cmd(src: str, dst: str, to: str | None, weights_only: bool, dtype: s
             result = ravex_convert.convert(src, dst, to, tag=tag, index=index, weights_only=weights_only, dtype=dtype,
                                            strip_prefix=strip_prefix, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                                            compression=compression, world_size=world_size, param_names=names,
-                                           metadata_form=metadata_form, progress=progress, sync=not no_sync,
+                                           metadata_form=metadata_form, progress=progress, sync=not no_sync, distributed=True,
                                            **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
     except RavexError as exc:
         _fail(exc)
@@ -259,7 +259,7 @@ def reshard_cmd(src: str, dst: str, world_size: int, zero_stage: int | None, pre
     try:
         with _progress(quiet) as progress:
             result = ravex_convert.reshard(src, dst, world_size, tag=tag, index=index, force=force, dry_run=dry_run, progress=progress,
-                                           sync=not no_sync, **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
+                                           sync=not no_sync, distributed=True, **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
     except RavexError as exc:
         _fail(exc)
     _report(result, dst, as_json)

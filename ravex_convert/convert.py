@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _core
-from ._dist import current, spread
+from ._dist import Solo, current, spread
 from ._engine import SourceTable, chunk_bytes, read_many
 from ._limits import MAX_EXPANSION_ENV, max_expansion
 from ._output import Options, durability, out_dtype, select
@@ -90,6 +90,7 @@ def convert(
     hyperparameters: Sequence[dict[str, Any]] | None = None,
     progress: Callable[[int], None] | None = None,
     sync: bool = True,
+    distributed: bool = False,
 ) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst`` (``to``
     None: taken from ``dst``'s name, see :func:`infer_target`, and said so in
@@ -104,6 +105,9 @@ def convert(
     With ``sync=False`` (``--no-sync``) the output is renamed into place without
     waiting for it to reach the disk, as ``cp`` does: faster, but an OS crash or
     power cut soon after can leave a DST that looks complete and is not.
+    With ``distributed=True`` (the ``ravex`` command under torchrun sets it) every
+    process of the job calls this and each writes its share of the output, rank 0
+    committing; otherwise this process writes all of it, whatever else runs.
     Whatever of the source is not carried over is listed under ``left_out``
     (files of a source directory no reader took, optimizer and training state
     a weights-only output drops) and named in ``notes``.
@@ -143,7 +147,9 @@ def convert(
                                          hint="a file is truncated or damaged; copy the checkpoint again", path=exc.path or src) from None
         summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "left_out": dropped})
         return summary
-    with durability(sync), spread(current()):
+    # Only when asked (the CLI asks): a script under torchrun that converts on rank 0 alone
+    # must not wait for ranks that never call convert.
+    with durability(sync), spread(current() if distributed else Solo()):
         result = _write(out, dst, to, opts, progress, zero_stage=zero_stage, precision=precision, buffers=buffers,
                         hyperparameters=hyperparameters, metadata_form=metadata_form)
     result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
