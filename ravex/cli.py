@@ -399,6 +399,20 @@ def _render(info: CheckpointInfo, tensors: bool) -> None:
     _say("detected because: " + "; ".join(info.reasons), stderr=True)
 
 
+def _ranks_cell(r: dict[str, Any] | None) -> str:
+    """``2 fsdp2``: how many ranks wrote a checkpoint, and how they trained; ``1`` alone."""
+    return f"{r.get('world_size')} {r.get('wrap')}" if r else "1"
+
+
+def _ranks_line(index: Any, r: dict[str, Any]) -> str:
+    """Who wrote a checkpoint of a run on many ranks, in a sentence."""
+    wrote = r.get("written_by") or {}
+    who = "rank 0 wrote every file" if wrote == {"0": "all"} else f"{len(wrote)} ranks wrote their own files"
+    mesh = f", mesh {r['mesh']}" if r.get("mesh") else ""
+    shared = "" if r.get("shared_storage", True) else ", on storage not every rank sees"
+    return f"checkpoint {index}: {r.get('world_size')} ranks ({r.get('wrap')}, {r.get('mode')}{mesh}); {who}{shared}"
+
+
 @main.command("status")
 @click.argument("path", required=False, type=click.Path(path_type=str, readable=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (keys: store, checkpoints, resume).")
@@ -421,13 +435,16 @@ def status_cmd(path: str | None, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title=f"store {st['store']}", title_justify="left", show_edge=False)
-    for col in ("index", "step", "size", "on disk", "time", "complete", "run"):
+    for col in ("index", "step", "size", "on disk", "time", "complete", "run", "ranks"):
         table.add_column(col, justify="right" if col in ("index", "step", "size", "on disk") else "left")
     for c in st["checkpoints"]:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c["created_unix"])) if isinstance(c["created_unix"], (int, float)) else "-"
         table.add_row(str(c["index"]), str(c["step"]), _human_bytes(int(c["bytes"] or 0)), _human_bytes(c["bytes_on_disk"]), when,
-                      "yes" if c["complete"] else f"no ({c['problem']})", str(c["run_id"]))
+                      "yes" if c["complete"] else f"no ({c['problem']})", str(c["run_id"]), _ranks_cell(c.get("ranks")))
     _console().print(table)
+    last = next((c for c in reversed(st["checkpoints"]) if c.get("ranks")), None)
+    if last is not None:
+        _say(_ranks_line(last["index"], last["ranks"]))
     resume = st["resume"]
     _say("resume would pick: " + (f"checkpoint {resume}" if resume is not None else "nothing (a run starts from the beginning)"))
 

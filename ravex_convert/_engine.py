@@ -171,7 +171,8 @@ class CopyJob:
         return len(self.targets) - 1
 
     def add(self, tensor: LogicalTensor, targets: list[Target]) -> None:
-        src = [self.table.chunk(c) for c in tensor.chunks]
+        # another rank's chunk (a run on many ranks writing its shards where they are) has no bytes here
+        src = [self.table.chunk(c) for c in tensor.chunks if not (c.owner is not None and c.data is None and c.file is None)]
         dst = [(t.file, t.offset, core_region(t.region), t.dtype) for t in targets]
         self.tensors.append((list(tensor.shape), src, dst))
         self.names.append(tensor.name)

@@ -32,6 +32,9 @@ class Options:
     compression: str | None = None  # native: None or "zstd"
     world_size: int = 1
     threads: int = 0  # copy threads (0: one per CPU); the runtime's background writer uses 1
+    # native: keep the chunks as the source has them, each written by the rank that holds it
+    # (Chunk.owner), instead of splitting each tensor again over world_size ranks
+    keep_chunks: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in FLOAT_DTYPES:

@@ -134,6 +134,9 @@ class Chunk:
     compression: str | None = None  # "zstd": ``offset`` is a frame of ``stored_nbytes`` bytes
     stored_nbytes: int | None = None
     checksum: str | None = None  # "xxh3-64:<hex>" of the uncompressed bytes, when the format records one
+    # The rank that holds this chunk's bytes, in a run on many ranks that writes its shards where they
+    # are (the runtime's per_rank checkpoints): another rank's chunk has its place, not its bytes.
+    owner: int | None = None
 
     @property
     def nbytes(self) -> int:

@@ -71,6 +71,11 @@ KEYS = (
     Key("rng", "RNG states by stream: `torch`, `cuda`, `python`, `numpy`", _rng, "a dict keyed by torch, cuda, python, numpy"),
     Key("loaders", "per DataLoader, in the order the run built them, the position to continue its stream from (None: not tracked)",
         _loaders, "a list of dicts or nulls"),
+    Key("ranks", "a run on many ranks: per rank, its own `rng` and `loaders` (as above); the top-level `rng` and `loaders` are rank 0's",
+        lambda v: isinstance(v, list) and all(isinstance(x, dict) and _rng(x.get("rng", {})) and _loaders(x.get("loaders", [])) for x in v),
+        "a list of dicts holding rng and loaders"),
+    Key("distributed", "a run on many ranks: `world_size`, `mode` (replicated, gather or per_rank), `mesh`, `wrap`, `written_by` "
+        "(rank -> files it wrote)", _dict, "a dict"),
     Key("tracked", "objects the user tracked (`ravex.track`): name -> `state_dict()`", _dict, "a dict"),
     Key("zero", "DeepSpeed provenance: stage, variant, precision, world size, ds_config, partition layout", _dict, "a dict"),
     Key("extra", "a source's other top-level entries as they were (torch.save keys, DCP non-tensor state, framework progress)",

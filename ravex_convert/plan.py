@@ -48,6 +48,8 @@ class OutFile:
     # Called with the copied bytes' local file (and the output, to open further sinks) before
     # the sink closes; what it returns reaches the coordinator's ``commit`` under ``rel``.
     seal: Callable[[Path, Any], Any] | None = None
+    # The rank that must write this file (it alone holds the bytes), else any: see assign().
+    rank: int | None = None
 
 
 Commit = list[tuple[str, bytes]] | Callable[[dict[str, Any]], list[tuple[str, bytes]]]
@@ -74,7 +76,10 @@ def assign(files: list[OutFile], ranks: int) -> list[int]:
     load = [0] * ranks
     owner = [0] * len(files)
     for i in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
+        r = files[i].rank if files[i].rank is not None else min(range(ranks), key=lambda r: (load[r], r))
+        if not 0 <= r < ranks:
+            raise RavexError(f"{files[i].rel} is to be written by rank {r}, but the group has {ranks} rank(s)",
+                             hint="write a checkpoint of a run on many ranks from the same ranks")
         owner[i] = r
         load[r] += files[i].size
     return owner

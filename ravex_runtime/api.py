@@ -28,10 +28,24 @@ def _rt() -> Any:
     return _current if _current is not None and _current.active else None
 
 
+class _RankZeroSays(logging.Filter):
+    """On many ranks the job's messages are rank 0's to say: another rank logs its errors, and the
+    warnings about itself alone (``extra={"every_rank": True}``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or bool(getattr(record, "every_rank", False))
+
+
 def _logging(log_file: Path | None) -> logging.Handler:
+    from .dist import topology
+
+    topo = topology()
     handler: logging.Handler = logging.FileHandler(log_file) if log_file is not None else logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.WARNING)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    where = f"[rank {topo.rank}] " if topo.distributed else ""
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {where}%(message)s"))
+    if topo.rank != 0:
+        handler.addFilter(_RankZeroSays())
     log.addHandler(handler)
     log.setLevel(logging.WARNING)
     log.propagate = False
@@ -96,7 +110,8 @@ def _run(f: Callable[..., Any], preemption_handler: bool, args: Any, kwargs: Any
         try:
             # The final checkpoint: only when the state is consistent (the function finished, or it
             # failed at an iteration boundary, not in the middle of a step).
-            if rt.active and (ok or rt.steps_since_boundary == 0) and rt.step > rt.start_step:
+            if rt.active and (ok or rt.steps_since_boundary == 0) and rt.step > rt.start_step and rt.last_step_written != rt.step \
+                    and _all_here(rt):
                 if not rt.restored:
                     rt.restore()
                 rt.collect(final=True)
@@ -107,6 +122,23 @@ def _run(f: Callable[..., Any], preemption_handler: bool, args: Any, kwargs: Any
             _current = None
             log.removeHandler(handler)
             handler.close()
+
+
+def _all_here(rt: Any) -> bool:
+    """On many ranks the final checkpoint is a collective: written only when every rank is known to
+    have reached the end at the same step (a bounded wait), never waiting on a rank that is gone."""
+    coord = rt.session.coord
+    if coord is None:
+        if rt.session.world_size > 1 and rt.session.rank == 0:
+            log.error("ravex: no final checkpoint at step %d: the ranks can no longer agree on one (the process group is gone, or was never "
+                      "initialized); the last checkpoint written stays the newest", rt.step)
+        return rt.session.world_size == 1
+    together, missing = coord.all_here(rt.step)
+    if not together:
+        log.error("ravex: no final checkpoint at step %d: %s; the last checkpoint written stays the newest", rt.step,
+                  f"rank(s) {', '.join(map(str, missing))} did not reach the end within {int(coord.exit_wait_s)} s" if missing
+                  else "the ranks ended at different steps")
+    return together
 
 
 def track(*objs: Any, name: str | None = None) -> None:

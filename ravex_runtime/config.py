@@ -35,6 +35,7 @@ class Config:
     resume_from: str | int | None = None
     fresh: bool = False
     log_file: Path | None = None
+    sharded_checkpoints: str = "gather"
     source: str = "defaults"  # the file the configuration came from, for messages
 
 
@@ -50,9 +51,11 @@ _KEYS: dict[str, str] = {
     "resume_from": "resume",
     "fresh": "bool",
     "log_file": "path?",
+    "sharded_checkpoints": "sharded_checkpoints",
 }
-_LATER = {"sharded_checkpoints", "replicate_every"}
-_CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "storage_type": ("local",)}
+_LATER = {"replicate_every"}
+_CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "storage_type": ("local",),
+            "sharded_checkpoints": ("gather", "per_rank")}
 _LATER_STORAGE = ("s3", "r2")
 _ENV = {"RAVEX_" + k.upper().replace(".", "_"): k for k in [*_KEYS, *_LATER]}
 # not settings, but Ravex's own: the on/off switch, and the set-up scripts' venv path
@@ -112,7 +115,7 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise bad("expected a positive integer" + (" or null" if kind == "int+?" else ""))
         return value
-    if kind in ("backend", "compression", "storage_type"):
+    if kind in ("backend", "compression", "storage_type", "sharded_checkpoints"):
         if kind == "storage_type" and value in _LATER_STORAGE:
             raise ConfigError(f"{name} is {value!r}: remote storage is not supported yet", hint="use storage.type: local (the default)")
         choices = _CHOICES[kind]
@@ -142,7 +145,7 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
 def _apply(cfg: Config, values: dict[str, Any], where: str, base: Path, env: bool) -> None:
     for key, raw in values.items():
         if key in _LATER or (key.startswith("storage.") and key[len("storage."):] in _LATER):
-            raise ConfigError(f"{where}: {key} is not supported yet (single process, local storage only)", hint=f"remove {key}")
+            raise ConfigError(f"{where}: {key} is not supported yet (local storage only)", hint=f"remove {key}")
         if key not in _KEYS:
             known = ", ".join(_KEYS)
             raise ConfigError(f"{where}: unknown key {key!r}", hint=f"known keys: {known}")

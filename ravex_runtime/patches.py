@@ -139,6 +139,21 @@ def apply(rt: Runtime) -> Callable[[], None]:
         elif issubclass(cls, lr_scheduler.LRScheduler) or cls.__name__ == "ReduceLROnPlateau":
             patch(cls, name, after(rt.session.notice_scheduler))
 
+    import torch.distributed as tdist
+
+    if tdist.is_available():
+        # The script ends its process group before it returns: on many ranks the last checkpoint
+        # is written just before, while every rank is still there to take part.
+        def destroy(original: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if (args[0] if args else kwargs.get("group")) is None:
+                    rt._safe(rt.before_destroy)
+                return original(*args, **kwargs)
+            return wrapper
+
+        patch(tdist, "destroy_process_group", destroy)
+        patch(tdist.distributed_c10d, "destroy_process_group", destroy)
+
     def undo() -> None:
         for cls, name, original in reversed(saved):
             setattr(cls, name, original)

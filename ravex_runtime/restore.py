@@ -13,6 +13,7 @@ should putting it back fail too, :class:`ResumeError` stops the run.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Callable, Iterator
@@ -436,6 +437,64 @@ def _apply(p: _Plan) -> None:
                 g.set_state(saved["generators"][k])
 
 
+def _localize(p: _Plan) -> None:
+    """Whole tensors from the checkpoint made into this rank's shards where the live state is sharded
+    (DTensors: FSDP2), by slicing here (no collective: every rank holds the whole tensor): the
+    model's tensors, and the optimizer state shaped like a sharded parameter. At any world size:
+    the shards are cut to the live mesh, not the saved one."""
+    from .state import _is_dtensor
+
+    def local(saved: torch.Tensor, like: Any) -> Any:
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(saved.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+
+    for i, (m, sd) in enumerate(p.models):
+        live = m.state_dict()
+        if any(_is_dtensor(v) for v in live.values()):
+            p.models[i] = (m, {k: local(v, live[k]) if _is_dtensor(live.get(k)) and not _is_dtensor(v) else v for k, v in sd.items()})
+    for opt, sd in p.optimizers:
+        params = [q for g in opt.param_groups for q in g["params"]]
+        for pid, st in sd.get("state", {}).items():
+            q = params[pid] if isinstance(pid, int) and 0 <= pid < len(params) else None
+            if q is None or not _is_dtensor(q):
+                continue
+            for k, v in list(st.items()):
+                if isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.shape == q.shape:
+                    st[k] = local(v, q)
+
+
+def for_rank(ckpt: Checkpoint, rank: int, world_size: int | None) -> Checkpoint:
+    """The checkpoint as rank ``rank`` restores it: its own random streams and data positions in
+    place of rank 0's (``ranks``, written by a run on many ranks). A rank the saved run did not
+    have (more ranks now) keeps the random streams its script seeded, and takes the data position
+    of rank ``rank`` modulo the saved world size (a DistributedSampler's epoch is dealt out again:
+    sampler.py); a checkpoint of one process resumed on many: every rank takes its position, and
+    rank 0 alone its streams."""
+    objs = dict(ckpt.objects)
+    ranks = objs.pop("ranks", None)
+    objs.pop("distributed", None)
+    if isinstance(ranks, list) and ranks:
+        n = len(ranks)
+        mine = ranks[rank] if rank < n else None
+        if isinstance(mine, dict):
+            objs["rng"], objs["loaders"] = mine.get("rng", {}), mine.get("loaders", [])
+        else:
+            objs.pop("rng", None)
+            other = ranks[rank % n]
+            objs["loaders"] = other.get("loaders", []) if isinstance(other, dict) else []
+            log.warning("ravex: rank %d did not exist in the %d-rank run that wrote the checkpoint: its random streams start as its script "
+                        "seeded them, its data position is rank %d's", rank, n, rank % n, extra={"every_rank": True})
+    elif rank > 0:
+        objs.pop("rng", None)
+    if world_size is not None and isinstance(ranks, list) and ranks and len(ranks) != world_size and rank == 0:
+        log.warning("ravex: the checkpoint was written by %d ranks and resumes on %d: ranks below %d continue their own random streams; "
+                    "a DistributedSampler's epoch goes on with the samples not yet trained on", len(ranks), world_size, min(len(ranks), world_size))
+    out = copy.copy(ckpt)
+    out.objects = objs
+    return out
+
+
 def restore_into(live: Tracked, ckpt: Checkpoint, tensors: dict[str, torch.Tensor], *, weights_only: bool, where: str) -> int | None:
     """Restore ``ckpt`` into the live objects, all or nothing; returns the step it saved (None when
     it saved none, or with ``weights_only``). The step counter is the caller's to set.
@@ -444,7 +503,12 @@ def restore_into(live: Tracked, ckpt: Checkpoint, tensors: dict[str, torch.Tenso
     or :class:`~ravex_convert.errors.CorruptCheckpointError` with nothing touched; a failure
     while applying puts the previous state back and raises :class:`RavexError`; a failure to
     put it back raises :class:`ResumeError` (the process must not train on)."""
-    p = plan(live, ckpt, tensors, weights_only, where)
+    return apply_plan(plan(live, ckpt, tensors, weights_only, where), where)
+
+
+def apply_plan(p: _Plan, where: str) -> int | None:
+    """Put a checked plan into the live objects (see :func:`restore_into`)."""
+    _localize(p)
     undo = _snapshot(p)
     try:
         _apply(p)
@@ -487,13 +551,16 @@ class Resume:
         self.failures: list[str] = []
         self._candidates: Iterator[tuple[int | None, str, _Found]] = iter(())
 
-    def restore(self, live: Tracked) -> int | None:
+    def restore(self, live: Tracked, rank: int | None = None) -> int | None:
         """Put ``pending`` into ``live``, all or nothing; one that does not fit is reported and the one
         before it tried. The step restored, or None when nothing is pending; :class:`ResumeError` when
-        none is left to try, or a failed restore could not be undone."""
+        none is left to try, or a failed restore could not be undone. ``rank``: a rank of a job that
+        has no process group (each rank restores alone, taking its own streams)."""
         while self.pending is not None:
             ckpt, tensors = self.pending
             try:
+                if rank is not None:
+                    ckpt = for_rank(ckpt, rank, None)
                 step = restore_into(live, ckpt, tensors, weights_only=False, where=self.label)
             except ResumeError:
                 raise
@@ -511,6 +578,68 @@ class Resume:
                             ", ".join(str(i) for i in self.unrestorable))
             return step if step is not None else int(ckpt.step or 0)
         return None
+
+    def restore_agreed(self, live: Tracked, coord: Any, src: str | int | None) -> int | None:
+        """:meth:`restore` on every rank of a job, agreed: rank 0 names the checkpoint; a rank that
+        does not see it (its store is not rank 0's) gets it from rank 0; each rank takes its own
+        random streams and data position from it and checks it against its live objects; it is
+        put in only when every rank can, else every rank goes on to the one rank 0 tries next."""
+        while True:
+            named = coord.broadcast((self.index, self.label, self.pending[0].step) if coord.rank == 0 and self.pending is not None else None)
+            if named is None:
+                if self.pending is not None:
+                    log.warning("ravex: rank %d has %s, but rank 0 resumes from nothing: this rank starts fresh too", coord.rank, self.label)
+                self.pending = None
+                return None
+            index, label, step = named
+            if coord.rank != 0 and (self.pending is None or self.index != index or self.pending[0].step != step):
+                self.pending = None
+                try:
+                    self.pending = (load_checkpoint(self.store, index) if index is not None else self.find(src))
+                except (RavexError, OSError):
+                    self.pending = None
+                if self.pending is not None and self.pending[0].step != step:
+                    self.pending = None
+            have = coord.all_gather(self.pending is not None)
+            if not all(have):
+                # Storage that not every rank sees: rank 0 sends what it loaded.
+                sent = coord.broadcast((self.pending[0].step, self.pending[0].objects, self.pending[0].source, self.pending[1])
+                                       if coord.rank == 0 else None)
+                if self.pending is None:
+                    ckpt = Checkpoint("native", self.store, step=sent[0], objects=sent[1], source=sent[2])
+                    self.pending = (ckpt, sent[3])
+            self.index, self.label = index, label
+            ckpt, tensors = self.pending
+            mine = for_rank(ckpt, coord.rank, coord.size)
+            err: str | None = None
+            p: _Plan | None = None
+            try:
+                p = plan(live, mine, tensors, False, label)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank: nobody restores it
+                err = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
+            errs = coord.all_gather(err)
+            bad = [(r, e) for r, e in enumerate(errs) if e is not None]
+            if not bad:
+                assert p is not None
+                restored = apply_plan(p, label)
+                self.pending = None
+                return restored if restored is not None else int(ckpt.step or 0)
+            why = "; ".join(f"rank {r}: {e}" for r, e in bad[:3])
+            log.error("ravex: %s cannot be restored into this run: %s", label, why)
+            self.skipped(self.store, index, f"{label}: {why}")
+            del ckpt, tensors, mine, p
+            self.pending = None
+            stop: ResumeError | None = None
+            if coord.rank == 0:
+                try:
+                    self.pending = self._next()
+                except ResumeError as exc:
+                    stop = exc
+            verdict = coord.broadcast((stop.message, stop.hint) if stop is not None else None)
+            if stop is not None:
+                raise stop
+            if verdict is not None:
+                raise ResumeError(f"rank 0 found no checkpoint every rank can resume from: {verdict[0]}", hint=verdict[1], path=self.store)
 
     def find(self, src: str | int | None) -> _Found | None:
         """The checkpoint named by ``src`` (an index of the store, a store, a checkpoint directory, a ``.pt``

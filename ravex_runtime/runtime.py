@@ -12,6 +12,7 @@ training code.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ class Runtime:
         self.preemption_handler = preemption_handler
         self.preempted = False
         self.preempt_waits = 0
+        self.preempt_posted: float | None = None  # when this rank told the others of a SIGTERM (many ranks)
+        self.stop_step: int | None = None  # the step every rank stops after, once agreed
         self.step = 0
         self.start_step = 0
         self.due = False
@@ -176,7 +179,10 @@ class Runtime:
         self.held = [*live.models, *live.optimizers, *live.schedulers, *live.scalers, *(ld for ld, _ in live.loaders if ld is not None)]
         if not self.restored:
             self.restore()
-        if self.preempted and not stepped and self.preempt_waits < _PREEMPT_WAIT_BOUNDARIES:
+        coord = self.session.coord if self.session.join() else None
+        if coord is not None:
+            self._preempt_together(coord, stepped)
+        elif self.preempted and not stepped and self.preempt_waits < _PREEMPT_WAIT_BOUNDARIES:
             # Mid-way through gradient accumulation the gradients are part of the state and no
             # checkpoint holds them: wait for the boundary after the next optimizer step.
             self.preempt_waits += 1
@@ -192,7 +198,48 @@ class Runtime:
             self.due = False
             self.collect()
         if self.cfg.max_steps is not None and self.step >= self.cfg.max_steps:
+            if coord is not None and self.last_step_written != self.step:
+                self.collect()  # every rank is here, at the same step: the last checkpoint now, not at exit
             raise StopRun()
+
+    def _preempt_together(self, coord: Any, stepped: bool) -> None:
+        """SIGTERM on any rank of the job: every rank writes the checkpoint of the same step and
+        exits 0 (the protocol is in dist.py). Costs nothing until a rank is signalled."""
+        if not (self.preempted or coord.remote_preempt.is_set()):
+            return
+        if self.preempt_posted is None:
+            coord.post_preempt(self.step)
+            self.preempt_posted = time.monotonic()
+        if self.stop_step is None:
+            self.stop_step = coord.preempt_stop()
+            if self.stop_step is None:
+                if time.monotonic() - self.preempt_posted > coord.wait_timeout().total_seconds():
+                    log.error("ravex: SIGTERM: not every rank answered in %d s; exiting without a last checkpoint", coord.wait_timeout().total_seconds())
+                    raise SystemExit(0)
+                return
+        if self.step >= self.stop_step and stepped:
+            self.collect()
+            self.flush()
+            if self.error is None:
+                log.warning("ravex: SIGTERM received by a rank of the job; every rank stopped at step %d, its checkpoint is written, exiting", self.step)
+            else:
+                log.error("ravex: SIGTERM received by a rank of the job; the checkpoint at step %d could not be written (%s), exiting",
+                          self.step, self.error)
+            raise SystemExit(0)
+
+    def before_destroy(self) -> None:
+        """The script destroys its process group (at its end): the last checkpoint of a run on many
+        ranks is written first, when every rank is known to be here; then the ranks part."""
+        session = self.session
+        if session.coord is None:
+            return
+        from .api import _all_here
+
+        if self.step > self.start_step and self.last_step_written != self.step and _all_here(self):
+            if not self.restored:
+                self.restore()
+            self.collect(final=True)
+        session.leave()
 
     def boundary_restore_only(self) -> None:
         """``iter(loader)``: restore (once) before the iterator is built, so it can continue the saved position."""

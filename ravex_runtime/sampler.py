@@ -127,6 +127,53 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def _distributed_sampler(sampler: Any) -> bool:
+    return isinstance(sampler, torch.utils.data.distributed.DistributedSampler)
+
+
+def _epoch_order(sampler: Any, n: int) -> list[int]:
+    """The order a DistributedSampler deals out this epoch, before padding (as its ``__iter__`` draws it)."""
+    if sampler.shuffle:
+        g = torch.Generator()
+        g.manual_seed(sampler.seed + sampler.epoch)
+        return torch.randperm(n, generator=g).tolist()
+    return list(range(n))
+
+
+class _Fixed:
+    """A sampler over a fixed list of indices."""
+
+    def __init__(self, indices: list[int]):
+        self.indices = indices
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class _FirstOnly:
+    """Wraps an index sampler: its first iteration is ``part``'s; later ones the sampler's own."""
+
+    def __init__(self, inner: Any, part: Any):
+        self.inner, self.part = inner, part
+
+    def __iter__(self) -> Iterator[Any]:
+        # Lazy, as _SkipFirst: the part belongs to the first iterator that is advanced.
+        part, self.part = self.part, None
+        if part is None:
+            yield from self.inner
+            return
+        yield from part
+
+    def __len__(self) -> int:
+        return len(self.part if self.part is not None else self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 class _StartAt:
     """Wraps an index sampler: its first iteration starts from ``states`` (the random
     state at the start of the epoch); later ones pass through. For a resumed
@@ -202,6 +249,9 @@ class LoaderState:
         self.base_epoch = -1
         self.worker_last: dict[int, dict[str, Any]] = {}
         self.worker_start: dict[int, dict[str, Any]] = {}
+        # A DistributedSampler's epoch resumed at another world size: the samples of the epoch
+        # consumed before this process's part of it began (all ranks together); 0 otherwise.
+        self.offset = 0
 
     def length(self, loader: Any) -> int | None:
         try:
@@ -212,23 +262,29 @@ class LoaderState:
     def start_epoch(self, loader: Any) -> None:
         self.epoch += 1
         self.consumed = 0
+        self.offset = 0
         self.epoch_start = {"torch": torch.get_rng_state()}
         for k, g in generators_of(loader).items():
             self.epoch_start[k] = g.get_state()
         if self.persistent:
             self.worker_start = dict(self.worker_last)
 
-    def capture(self, snap: Snapshot, loader: Any) -> dict[str, Any]:
-        key = f"loaders/{self.index}"
+    def capture(self, snap: Snapshot, loader: Any, key: str | None = None) -> dict[str, Any]:
+        key = key or f"loaders/{self.index}"
         out: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed, "length": self.length(loader), "replayable": self.replayable,
                                "epoch_start": {k: snap.add(f"obj/{key}/epoch_start/{k}", v) for k, v in self.epoch_start.items()},
                                "generators": {k: snap.add(f"obj/{key}/generators/{k}", g.get_state()) for k, g in generators_of(loader).items()}}
         ds = getattr(loader, "dataset", None)
         if ds is not None and not self.replayable and loader.num_workers == 0 and _stateful(ds):
             out["dataset_state"] = snap.flatten(ds.state_dict(), f"{key}/dataset")
-        epoch = _epoch_of(_sampler_of(loader))
+        sampler = _sampler_of(loader)
+        epoch = _epoch_of(sampler)
         if epoch is not None:
             out["sampler_epoch"] = epoch
+        if _distributed_sampler(sampler) and isinstance(getattr(loader, "batch_size", None), int):
+            # What a resume at another world size needs to keep the epoch's global sample count.
+            out["distributed_sampler"] = {"num_replicas": int(sampler.num_replicas), "rank": int(sampler.rank),
+                                          "batch_size": int(loader.batch_size), "offset": self.offset, "dataset_len": len(sampler.dataset)}
         if self.persistent and self.base_start is not None:
             out["persistent"] = {
                 "base_epoch": self.base_epoch,
@@ -310,7 +366,13 @@ class LoaderState:
             log.warning("ravex: the DataLoader over %s (an IterableDataset %s) has no index sampler to advance; "
                         "the %d batches of this epoch already trained on are read again and dropped, so the stream continues where "
                         "it was if it yields the same items each time it is iterated", type(loader.dataset).__name__, why, consumed)
-        if loader.num_workers == 0 and self.replayable:
+        dsamp = saved.get("distributed_sampler")
+        sampler = _sampler_of(loader)
+        if isinstance(dsamp, dict) and _distributed_sampler(sampler) and (dsamp.get("offset") or dsamp.get("num_replicas") != sampler.num_replicas):
+            # Another world size (or the rest of an epoch that was resumed at one): deal the epoch's
+            # remaining samples out again (no sample twice, none skipped).
+            it = self._regroup(loader, original, sampler, dsamp, consumed)
+        elif loader.num_workers == 0 and self.replayable:
             it = self._skip(loader, original, starts, consumed)
         else:
             it = self._replay(loader, original, starts, consumed, persistent)
@@ -320,6 +382,42 @@ class LoaderState:
             if k in saved_gens:
                 g.set_state(saved_gens[k])
         return it
+
+    def _regroup(self, loader: Any, original: Any, sampler: Any, saved: dict[str, Any], consumed: int) -> Any:
+        """The rest of a DistributedSampler's epoch at this world size: the samples the old ranks
+        consumed together are the first ``offset + consumed x batch x old world size`` of the
+        epoch's order (a DistributedSampler deals the order out round-robin); the rest is dealt
+        round-robin to the ranks now, padded as DistributedSampler pads (with the epoch's first
+        samples), so no sample of the epoch is seen twice or skipped, and a later resume of this
+        part at the same world size continues it exactly."""
+        n = len(sampler.dataset)
+        done = int(saved.get("offset") or 0) + consumed * int(saved.get("batch_size") or 0) * int(saved.get("num_replicas") or 0)
+        if n != saved.get("dataset_len"):
+            log.warning("ravex: the dataset has %d samples, the checkpoint's had %s; the epoch's position cannot be carried to the new "
+                        "world size exactly", n, saved.get("dataset_len"))
+        order = _epoch_order(sampler, n)
+        rest = order[min(done, n):]
+        m, r = int(sampler.num_replicas), int(sampler.rank)
+        if sampler.drop_last:
+            rest = rest[:len(rest) - len(rest) % m]
+        elif len(rest) % m:
+            pad = m - len(rest) % m
+            rest = rest + (order * (1 + pad // max(1, n)))[:pad]
+        mine = rest[r::m]
+        self.offset, self.consumed = min(done, n), 0
+        log.warning("ravex: DataLoader #%d resumes its epoch at world size %d (saved at %s): %d samples of the epoch were trained on, "
+                    "the other %d are dealt out to the %d ranks (this rank: %d)", self.index, m, saved.get("num_replicas"),
+                    self.offset, n - self.offset, m, len(mine))
+        attr = "batch_sampler" if getattr(loader, "_auto_collation", True) and getattr(loader, "batch_sampler", None) is not None else "sampler"
+        inner = getattr(loader, attr)
+        part: Any = _Fixed(mine)
+        if attr == "batch_sampler":
+            part = torch.utils.data.BatchSampler(part, loader.batch_size, loader.drop_last)
+        object.__setattr__(loader, attr, _FirstOnly(inner, part))
+        try:
+            return self._build(loader, original)
+        finally:
+            object.__setattr__(loader, attr, inner)
 
     def _skip(self, loader: Any, original: Any, starts: dict[str, torch.Tensor], consumed: int) -> Any:
         """In-process loading draws from the main process's generators, which the checkpoint

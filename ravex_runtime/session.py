@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from ravex_convert.model import Checkpoint
 
+    from .dist import Coord
     from .sampler import LoaderState
     from .state import Snapshot, Tracked
 
@@ -108,16 +109,31 @@ def _background_priority() -> None:
         pass
 
 
-def _rank_and_world_size() -> tuple[int, int]:
-    """This process's rank and the world size, from torch.distributed when a process group is initialized."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank()), int(dist.get_world_size())
-    return 0, 1
-
-
 # ---------------------------------------------------------------- helpers
+
+
+def _sharded(m: torch.nn.Module) -> bool:
+    from .state import _is_dtensor
+
+    return any(_is_dtensor(p) for p in m.parameters())
+
+
+def _mesh_of(t: Tracked) -> list[int] | None:
+    from .state import _is_dtensor
+
+    for m in t.models:
+        for p in m.parameters():
+            if _is_dtensor(p):
+                return [int(s) for s in p.device_mesh.shape]
+    return None
+
+
+def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DistributedDataParallel wrapper (its state, without the ``module.`` prefix:
+    the same names as the model's in one process, or under FSDP2), else the module itself."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return m.module if isinstance(m, DistributedDataParallel) else m
 
 
 class _Unset:
@@ -212,7 +228,18 @@ class Session:
         self.config = cfg
         self.path = Path(cfg.storage_path)
         self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
-        self.rank, self.world_size = _rank_and_world_size()
+        from .dist import topology
+
+        topo = topology()
+        self.rank, self.world_size = topo.rank, topo.world_size
+        self.coord: Coord | None = None  # the other ranks, once joined (join())
+        self.shared = True  # whether every rank sees the store rank 0 writes (the probe at join())
+        self.mode: str | None = None  # replicated, gather or per_rank: how the last checkpoint was captured
+        self._checked_replicas = False
+        self._ddp = False  # a DistributedDataParallel wrapper was seen (and looked through)
+        self._left = False  # the job's process group is gone (leave())
+        self._warned_per_rank = False
+        self._writers: Any = None  # per_rank: the group the ranks' writers agree through (dist.StoreGroup)
         self.error: str | None = None  # why writing stopped: the first background write that failed
         self.last_index: int | None = None  # the index of the last checkpoint written
         self.writes = 0
@@ -247,7 +274,10 @@ class Session:
         self._spare_lock = threading.Lock()
         self._closed = False
         _register_fork_hooks()
-        self._take_lock()
+        if self.rank == 0:
+            # One run per store: rank 0 holds it; the other ranks of the job write nothing there
+            # (they may not even see it: the probe at join() says).
+            self._take_lock()
         self._writer = threading.Thread(target=self._write_loop, name="ravex-writer", daemon=True)
         self._writer.start()
 
@@ -296,6 +326,41 @@ class Session:
                 hint=f"if it is your store, put its ravex-store.json back (a copy, or see docs/format.md section 2); "
                      f"to start a new run, set storage.path in {self.config.source} to a new directory", path=store / "ravex-store.json")
 
+    def join(self) -> bool:
+        """Join the other ranks of the job (a collective: call it where every rank passes, as the
+        decorator does at iteration boundaries). Does nothing alone, or before the script has
+        initialized its process group; True once joined. Probes the store: whether every rank
+        sees the directory rank 0 writes to."""
+        if self.coord is not None:
+            return True
+        if self.world_size == 1 or self._closed or self._left:
+            return False
+        from .dist import Coord, initialized
+
+        if not initialized():
+            return False
+        self.coord = Coord()
+        self.rank, self.world_size = self.coord.rank, self.coord.size
+        self.run_id = self.coord.broadcast(self.run_id)  # one run: rank 0's id on every rank
+        seen = self.coord.probe(self.path)
+        self.shared = all(seen)
+        if self.rank == 0 and not self.shared:
+            blind = [r for r, ok in enumerate(seen) if not ok]
+            log.warning("ravex: storage: %s is not shared: rank(s) %s do not see the directory rank 0 writes to (local disks on several "
+                        "machines). Rank 0 writes every checkpoint there; to resume, start rank 0 on this machine again, and the other ranks "
+                        "receive the state from it over the network. A lost machine loses its checkpoints: put storage.path on storage every "
+                        "rank sees (a shared filesystem) to resume anywhere", self.path, ", ".join(map(str, blind)))
+        self.coord.watch()
+        return True
+
+    def leave(self) -> None:
+        """The job's process group is going away: no more messages between the ranks (this rank
+        writes nothing more that needs them)."""
+        if self.coord is not None:
+            self.coord.close()
+            self.coord = None
+            self._left = True
+
     def close(self) -> None:
         """Wait for the writes in flight, stop the writer and give the store back. Does not raise
         for a failed write (call :meth:`flush` first to know); closing twice is harmless."""
@@ -303,6 +368,8 @@ class Session:
             return
         self._drain()
         self._closed = True
+        if self.coord is not None:
+            self.coord.close()
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join()
@@ -443,6 +510,9 @@ class Session:
         # Roots that hold state, the one owning the first optimizer's parameters first: that one is "the model"
         # (model/<fqn>); a loss module built earlier holds no state and is left out.
         roots = [m for m in mods if id(m) not in children and _has_state(m)]
+        inner = [_unwrap(m) for m in roots]
+        self._ddp = self._ddp or any(a is not b for a, b in zip(inner, roots))
+        roots = inner
         opt = next(iter(_alive(self._optimizers)), None)
         if opt is not None:
             first = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -484,7 +554,85 @@ class Session:
                              hint="session.track(model=model, optimizer=optimizer, ...) first")
         with self._spare_lock:
             spare, self._spare = self._spare, {}
-        return capture(t, step, spare, {"ravex_run_id": self.run_id})
+        if not self.join():
+            return capture(t, step, spare, {"ravex_run_id": self.run_id})
+        return self._capture_ranks(t, step, spare)
+
+    def _capture_ranks(self, t: Tracked, step: int, spare: dict[str, torch.Tensor]) -> Snapshot:
+        """A capture on every rank of the job (each calls it at the same boundary): rank 0 copies the
+        model, optimizers and schedulers (a sharded model's tensors gathered whole: collectives
+        every rank joins); every rank's random streams and data positions are gathered to it."""
+        from .state import capture, layout_of
+
+        assert self.coord is not None
+        sharded = any(_sharded(m) for m in t.models)
+        per_rank = sharded and self._per_rank()
+        self.mode = "per_rank" if per_rank else "gather" if sharded else "replicated"
+        if not sharded and not self._checked_replicas:
+            self._checked_replicas = True
+            self._check_replicas(t)
+        snap = capture(t, step, spare, {"ravex_run_id": self.run_id}, keep=self.rank == 0, rank_part=self.rank, local_shards=per_rank)
+        part = snap.objects.pop("rank_part")
+        mine = f"obj/ranks/{self.rank}/"
+        part_tensors = {n: snap.tensors.pop(n) for n in [n for n in snap.tensors if n.startswith(mine)]}
+        parts = self.coord.gather((step, part, part_tensors))
+        if parts is not None:
+            steps = sorted({p[0] for p in parts})
+            if len(steps) > 1:
+                # (every rank learns it below, in the layout exchange or when rank 0 writes nothing)
+                log.error("ravex: the ranks are at different steps (%s) at a checkpoint boundary; no checkpoint is written", steps)
+            snap.objects["ranks"] = [p[1] for p in parts]
+            for _, _, tensors in parts:
+                snap.tensors.update(tensors)
+            files = {str(r): f"rank{r:05d}" + (" and checkpoint.json" if r == 0 else "") for r in range(self.world_size)} if per_rank else {"0": "all"}
+            snap.objects["distributed"] = {"world_size": self.world_size, "mode": self.mode, "mesh": _mesh_of(t),
+                                           "wrap": "fsdp2" if sharded else ("ddp" if self._ddp else "none"),
+                                           "written_by": files, "shared_storage": self.shared}
+            if len(steps) > 1:
+                snap.objects["distributed"]["refused"] = f"the ranks are at different steps: {steps}"
+        if per_rank:
+            # Every rank's writer builds the same checkpoint: each rank's list of tensors and shards.
+            snap.layout = self.coord.all_gather(layout_of(snap))
+        return snap
+
+    def _per_rank(self) -> bool:
+        """Whether per_rank checkpoints can be written here (asked for, every rank sees the store, and a
+        store connection for the writers); else gather, said once."""
+        if self.config.sharded_checkpoints != "per_rank":
+            return False
+        assert self.coord is not None
+        why = None if self.shared else "not every rank sees the store (each rank's shard must reach the one checkpoint)"
+        if why is None:
+            # The writers' connection outlives the process group (a final checkpoint is written after it is gone).
+            self._writers = self._writers or self.coord.writer_group()
+        if why is None and self._writers is None:
+            why = "the job has no store at MASTER_ADDR:MASTER_PORT for the writers to agree through (start it with torchrun)"
+        if why is not None and not self._warned_per_rank:
+            self._warned_per_rank = True
+            if self.rank == 0:
+                log.warning("ravex: sharded_checkpoints: per_rank falls back to gather: %s", why)
+        return why is None
+
+    def _check_replicas(self, t: Tracked) -> None:
+        """A model not sharded is written once, by rank 0: every rank must hold the same weights. DDP
+        sees to it (it broadcasts rank 0's weights when it wraps the model and averages the
+        gradients every step); the first capture checks it with one checksum per rank."""
+        import zlib
+
+        import torch
+
+        assert self.coord is not None
+        crc = 0
+        for m in t.models:
+            for k, v in m.state_dict().items():
+                if hasattr(v, "detach"):
+                    crc = zlib.crc32(k.encode(), crc)
+                    crc = zlib.crc32(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
+        sums = self.coord.all_gather(crc)
+        if len(set(sums)) > 1 and self.rank == 0:
+            log.warning("ravex: the ranks hold different weights (checksums %s) and the model is not sharded: rank 0's are checkpointed. "
+                        "Wrap the model in DistributedDataParallel (or FSDP2's fully_shard) so the ranks train one model",
+                        ", ".join(f"{s:08x}" for s in sums))
 
     def commit(self, snapshot: Snapshot, wait: bool = False) -> None:
         """Hand ``snapshot`` to the background writer, which adds it to the store as a new checkpoint
@@ -497,6 +645,10 @@ class Session:
         if self.error is not None:
             raise RavexError(f"{self.path}: the checkpoint of step {snapshot.step} is not written: an earlier write failed ({self.error})",
                              hint="fix the cause (disk space, permissions) and open a new Session", path=self.path)
+        if self.rank != 0 and snapshot.layout is None:
+            return  # rank 0 writes the checkpoint of the job (per_rank: every rank writes its shards)
+        if (snapshot.objects.get("distributed") or {}).get("refused"):
+            return
         self._queue.put(snapshot)
         if wait:
             self.flush()
@@ -537,6 +689,7 @@ class Session:
                 self._queue.task_done()
 
     def _write(self, snap: Snapshot) -> None:
+        from ravex_convert import _dist
         from ravex_convert._output import Options
         from ravex_convert.formats import native_write
 
@@ -548,8 +701,21 @@ class Session:
                 self._write_torch_save(ckpt)
             return
         opts = Options(compression=None if self.config.compression == "none" else self.config.compression, threads=WRITER_THREADS)
+        group = self._writers if snap.layout is not None else None
+        if snap.layout is not None and group is None:
+            raise RavexError("a per_rank checkpoint without the writers' group", hint="this is a bug in Ravex")
         with self._store_lock:
-            result = native_write.write(ckpt, self.path, opts, run_id=self.run_id.replace(".", "-"))
+            if group is not None:
+                # per_rank: every rank writes its shards into the one checkpoint, rank 0 commits it
+                opts.world_size, opts.keep_chunks = self.world_size, True
+                with _dist.spread(group):
+                    result = native_write.write(ckpt, self.path, opts, run_id=self.run_id.replace(".", "-"))
+                if self.rank != 0:
+                    self.last_index = int(result["index"])
+                    self.writes += 1
+                    return
+            else:
+                result = native_write.write(ckpt, self.path, opts, run_id=self.run_id.replace(".", "-"))
             for w in result.get("warnings", []):
                 log.warning("ravex: %s", w)
             self.last_index = int(result["index"])
@@ -620,6 +786,11 @@ class Session:
         elif not self._prepared:
             self.prepare_restore()
         self._prepared = False
+        if self.join():
+            assert self.coord is not None
+            return self._resume.restore_agreed(self.tracked(), self.coord, self.config.resume_from)
+        if self.world_size > 1:
+            return self._resume.restore(self.tracked(), rank=self.rank)
         return self._resume.restore(self.tracked())
 
     @property

@@ -24,7 +24,7 @@ from ravex_convert.model import BUFFER, FROZEN, MODEL, OBJ, OPTIM, PARAMETER, Bo
 if TYPE_CHECKING:
     from .sampler import LoaderState
 
-__all__ = ["Snapshot", "Tracked", "capture", "capture_rng", "restore_rng", "tensor_view", "to_checkpoint", "unflatten"]
+__all__ = ["Snapshot", "Tracked", "capture", "capture_rng", "layout_of", "restore_rng", "tensor_view", "to_checkpoint", "unflatten"]
 
 
 @dataclass
@@ -69,10 +69,33 @@ class Snapshot:
     objects: dict[str, Any] = field(default_factory=dict)
     spare: dict[str, torch.Tensor] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)  # model/ tensor -> parameter, frozen or buffer
+    # per_rank checkpoints (a sharded model whose ranks write their own shards): a DTensor is copied as
+    # this rank's shard, and ``shards`` says where it lies (name -> global shape, offset); a shard
+    # another rank also holds (a replicated mesh dimension) is left to that rank (``skipped``).
+    # ``rank`` owns every chunk of this snapshot; ``layout`` (set before the write) is every
+    # rank's list of (name, dtype, global shape, offset, local shape, kind), the same on all ranks.
+    local_shards: bool = False
+    rank: int = 0
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    layout: list[list[tuple[Any, ...]]] | None = None
 
     def add(self, name: str, t: torch.Tensor) -> TensorLink:
         # A real copy: the training thread goes on changing the original in place.
         t = t.detach()
+        if self.local_shards and _is_dtensor(t):
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local = t.to_local()
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            if tuple(local.shape) != tuple(shape):
+                raise RavexError(f"'{name}': the local shard is {list(local.shape)}, its layout says {list(shape)}",
+                                 hint="set sharded_checkpoints: gather for this model")
+            coord = t.device_mesh.get_coordinate() or []
+            if any(isinstance(pl, Replicate) and c != 0 for pl, c in zip(t.placements, coord)):
+                return TensorLink(name)  # the first replica along that mesh dimension writes it
+            self.shards[name] = (tuple(int(s) for s in t.shape), tuple(int(o) for o in offset))
+            t = local
         buf = self.spare.pop(name, None)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
@@ -95,13 +118,34 @@ class Snapshot:
         return value
 
 
-def capture(live: Tracked, step: int, spare: dict[str, torch.Tensor], extra: dict[str, Any]) -> Snapshot:
-    """Copy the state of ``live`` (training thread) into a snapshot of ``step``, reusing ``spare`` buffers."""
-    snap = Snapshot(step=step, spare=spare)
+def _full(t: torch.Tensor, local: bool = False) -> torch.Tensor:
+    """A sharded tensor (a DTensor: FSDP2) as the whole tensor, on every rank (a collective); any
+    other tensor, or with ``local`` (per_rank: each rank copies its own shard), as it is."""
+    return t.full_tensor() if _is_dtensor(t) and not local else t
+
+
+def _is_dtensor(t: Any) -> bool:
+    cls = type(t)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def capture(live: Tracked, step: int, spare: dict[str, torch.Tensor], extra: dict[str, Any], *, keep: bool = True,
+            rank_part: int | None = None, local_shards: bool = False) -> Snapshot:
+    """Copy the state of ``live`` (training thread) into a snapshot of ``step``, reusing ``spare`` buffers.
+
+    On many ranks: the tensors of a sharded model (DTensors) are gathered whole on every rank, in
+    the same order everywhere (each gather is a collective); with ``keep=False`` (not rank 0) they
+    are let go at once and nothing but the random streams and data positions is copied. Those are
+    this rank's own: with ``rank_part`` they are named ``ranks/<rank>/...`` (rank 0 gathers
+    every rank's part into the checkpoint), and also, on rank 0, at the top level, where a
+    one-process resume looks for them."""
+    snap = Snapshot(step=step, spare=spare, local_shards=local_shards, rank=rank_part or 0)
     for i, m in enumerate(live.models):
         for k, v in m.state_dict().items():
             if isinstance(v, torch.Tensor):
-                snap.add(f"{MODEL}{k}" if i == 0 else f"{OBJ}model.{i}/{k}", v)
+                v = _full(v, local_shards)
+                if keep or (local_shards and _is_dtensor(v)):
+                    snap.add(f"{MODEL}{k}" if i == 0 else f"{OBJ}model.{i}/{k}", v)
     if live.models:  # what each of the model's tensors is: a converter to ZeRO-3 needs it, and no file could tell it
         m = live.models[0]
         snap.kinds = {f"{MODEL}{n}": BUFFER for n, _ in m.named_buffers(remove_duplicate=False)}
@@ -109,25 +153,49 @@ def capture(live: Tracked, step: int, spare: dict[str, torch.Tensor], extra: dic
     names = live.param_names()
     for i, opt in enumerate(live.optimizers):
         if i == 0:
-            snap.objects.update(_capture_optimizer(snap, opt, names))
-        else:
+            state = _capture_optimizer(snap, opt, names, keep, local_shards)
+            if keep:
+                snap.objects.update(state)
+        elif keep:
             snap.objects[f"optimizer.{i}"] = snap.flatten(opt.state_dict(), f"optimizer.{i}")
-    for i, s in enumerate(live.schedulers):
-        snap.objects["lr_scheduler" if i == 0 else f"lr_scheduler.{i}"] = snap.flatten(s.state_dict(), f"lr_scheduler.{i}")
-    for i, s in enumerate(live.scalers):
-        snap.objects["grad_scaler" if i == 0 else f"grad_scaler.{i}"] = snap.flatten(s.state_dict(), f"grad_scaler.{i}")
-    snap.objects["tracked"] = {name: snap.flatten(obj.state_dict(), f"tracked/{name}") for name, obj in live.named.items()}
-    snap.objects["rng"] = capture_rng(snap, "rng")
-    snap.objects["loaders"] = [st.capture(snap, ld) if ld is not None else None for ld, st in live.loaders]
+    if keep:
+        for i, s in enumerate(live.schedulers):
+            snap.objects["lr_scheduler" if i == 0 else f"lr_scheduler.{i}"] = snap.flatten(s.state_dict(), f"lr_scheduler.{i}")
+        for i, s in enumerate(live.scalers):
+            snap.objects["grad_scaler" if i == 0 else f"grad_scaler.{i}"] = snap.flatten(s.state_dict(), f"grad_scaler.{i}")
+        snap.objects["tracked"] = {name: snap.flatten(obj.state_dict(), f"tracked/{name}") for name, obj in live.named.items()}
+    if rank_part is None or keep:
+        snap.objects["rng"] = capture_rng(snap, "rng")
+        snap.objects["loaders"] = [st.capture(snap, ld) if ld is not None else None for ld, st in live.loaders]
+    if rank_part is not None:
+        snap.objects["rank_part"] = {"rng": capture_rng(snap, f"ranks/{rank_part}/rng"),
+                                     "loaders": [st.capture(snap, ld, f"ranks/{rank_part}/loaders/{st.index}") if ld is not None else None
+                                                 for ld, st in live.loaders]}
     snap.objects["step"] = step
     snap.objects["extra"] = extra
     snap.spare = {}  # buffers of tensors that are gone: let them go
     return snap
 
 
-def _capture_optimizer(snap: Snapshot, opt: Any, names: dict[int, str]) -> dict[str, Any]:
-    """The first optimizer, keyed by parameter name: tensors as ``optim/<state>/<fqn>``, the rest as objects."""
+def _capture_optimizer(snap: Snapshot, opt: Any, names: dict[int, str], keep: bool = True, local_shards: bool = False) -> dict[str, Any]:
+    """The first optimizer, keyed by parameter name: tensors as ``optim/<state>/<fqn>``, the rest as objects.
+    Sharded state (FSDP2's moments are DTensors) is gathered whole; ``keep=False``: gathered and let go.
+    ``local_shards``: each rank copies its own shards of it (and rank 0, with ``keep``, the rest)."""
     sd = opt.state_dict()
+    if local_shards and not keep:
+        pnames = [names.get(id(p), f"param.{j}") for j, p in enumerate(p for g in opt.param_groups for p in g["params"])]
+        for pid, st in sd["state"].items():
+            for k, v in st.items():
+                if _is_dtensor(v):
+                    snap.add(f"{OPTIM}{k}/{pnames[pid]}", v)
+        return {}
+    if not keep:
+        # the same gathers as rank 0's, in the same order (the state's own, the same on every rank)
+        for st in sd["state"].values():
+            for v in st.values():
+                if _is_dtensor(v):
+                    _full(v)
+        return {}
     pnames: list[str] = []
     for g in opt.param_groups:
         for p in g["params"]:
@@ -137,7 +205,7 @@ def _capture_optimizer(snap: Snapshot, opt: Any, names: dict[int, str]) -> dict[
         fqn = pnames[pid]
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
-                snap.add(f"{OPTIM}{k}/{fqn}", v)
+                snap.add(f"{OPTIM}{k}/{fqn}", _full(v, local_shards))
             else:
                 scalars.setdefault(fqn, {})[k] = v
     groups = []
@@ -188,15 +256,39 @@ def tensor_view(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
-def to_checkpoint(snap: Snapshot, path: Any) -> Checkpoint:
-    """A checkpoint model whose chunks carry the snapshot's bytes inline (writer thread)."""
-    ckpt = Checkpoint("native", path, step=snap.step)
+def layout_of(snap: Snapshot) -> list[tuple[Any, ...]]:
+    """This rank's part of a per_rank checkpoint's layout: (name, dtype, global shape, offset, local shape, kind) per tensor."""
+    out = []
     for name, t in snap.tensors.items():
-        shape = tuple(int(s) for s in t.shape)
-        lt = LogicalTensor(name, shape, _dtype_name(t), kind=snap.kinds.get(name))
-        if t.numel():
-            lt.chunks.append(Chunk(Box(tuple(0 for _ in shape), shape), lt.dtype, data=tensor_view(t)))
-        ckpt.add(lt)
+        local = tuple(int(s) for s in t.shape)
+        shape, offset = snap.shards.get(name, (local, tuple(0 for _ in local)))
+        out.append((name, _dtype_name(t), shape, offset, local, snap.kinds.get(name)))
+    return out
+
+
+def to_checkpoint(snap: Snapshot, path: Any) -> Checkpoint:
+    """A checkpoint model whose chunks carry the snapshot's bytes inline (writer thread). With a
+    ``layout`` (per_rank), every rank's chunks, in the same order on every rank: this rank's with
+    their bytes, the others' with their place (each rank writes its own)."""
+    ckpt = Checkpoint("native", path, step=snap.step)
+    if snap.layout is None:
+        for name, t in snap.tensors.items():
+            shape = tuple(int(s) for s in t.shape)
+            lt = LogicalTensor(name, shape, _dtype_name(t), kind=snap.kinds.get(name))
+            if t.numel():
+                lt.chunks.append(Chunk(Box(tuple(0 for _ in shape), shape), lt.dtype, data=tensor_view(t)))
+            ckpt.add(lt)
+    else:
+        for rank, part in enumerate(snap.layout):
+            for name, dtype, shape, offset, local, kind in part:
+                lt = ckpt.tensors.get(name) or ckpt.add(LogicalTensor(name, tuple(shape), dtype, kind=kind))
+                if tuple(lt.shape) != tuple(shape) or lt.dtype != dtype:
+                    raise RavexError(f"'{name}' is {list(shape)} {dtype} on rank {rank}, {list(lt.shape)} {lt.dtype} on another",
+                                     hint="every rank must train the same model")
+                if not math.prod(local):
+                    continue
+                data = tensor_view(snap.tensors[name]) if rank == snap.rank else None
+                lt.chunks.append(Chunk(Box(tuple(offset), tuple(local)), dtype, data=data, owner=rank))
     ckpt.objects = dict(snap.objects)
     return ckpt
 

@@ -30,10 +30,30 @@ def _dir_size(d: Path) -> int:
     return total
 
 
+# checkpoint.json is read for who wrote the checkpoint only up to this size (status stays quick).
+_STATUS_JSON_LIMIT = 64 << 20
+
+
+def _ranks(meta: Path) -> dict[str, Any] | None:
+    """Who wrote a checkpoint of a run on many ranks: world size, mode, mesh, wrapper, which rank
+    wrote which files (``objects.distributed``); None for one process, or when it cannot be read."""
+    try:
+        if meta.stat().st_size > _STATUS_JSON_LIMIT:
+            return None
+        doc = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    d = doc.get("objects", {}).get("distributed") if isinstance(doc, dict) and isinstance(doc.get("objects"), dict) else None
+    if not isinstance(d, dict):
+        return None
+    return {k: d.get(k) for k in ("world_size", "mode", "mesh", "wrap", "written_by", "shared_storage")}
+
+
 def store_status(path: str | Path | None = None) -> dict[str, Any]:
     """The store at ``path`` (default: ``storage.path`` of the configuration found from the working
     directory): ``store``, ``config`` (the file used, if any), ``checkpoints`` (index, step, bytes
-    (logical), bytes_on_disk (files in its own directory), created_unix, complete, problem, run_id) and
+    (logical), bytes_on_disk (files in its own directory), created_unix, complete, problem, run_id, ranks: who wrote it in a
+    run on many ranks, else None) and
     ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint)."""
     from ravex_convert.formats.native import CHECKPOINT, MANIFEST, STORE_MARKER
 
@@ -57,7 +77,8 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
         elif not (d / CHECKPOINT).is_file():
             problem = f"{CHECKPOINT} missing"
         rows.append({"index": e.get("index"), "step": e.get("step"), "bytes": e.get("bytes"), "bytes_on_disk": _dir_size(d),
-                     "created_unix": e.get("created_unix"), "complete": problem is None, "problem": problem, "run_id": e.get("run_id")})
+                     "created_unix": e.get("created_unix"), "complete": problem is None, "problem": problem, "run_id": e.get("run_id"),
+                     "ranks": _ranks(d / CHECKPOINT) if problem is None else None})
         if problem is None:
             resume = e.get("index")
     cfg = find_config_file()

@@ -382,7 +382,10 @@ def _plan(ckpt: Checkpoint, opts: Options) -> list[_Out]:
         if any(not isinstance(s, int) or s < 0 for s in t.shape):
             raise RavexError(f"tensor '{name}' has shape {list(t.shape)}", hint="a shape lists non-negative integers")
         t = t if t.name == name else t.renamed(name)
-        outs.extend(_Out(t, k, rank, box, dtype) for k, (rank, box) in enumerate(_split(name, tuple(t.shape), opts.world_size)))
+        if opts.keep_chunks:
+            outs.extend(_Out(t, k, c.owner or 0, c.region, dtype) for k, c in enumerate(t.chunks) if c.region.numel)
+        else:
+            outs.extend(_Out(t, k, rank, box, dtype) for k, (rank, box) in enumerate(_split(name, tuple(t.shape), opts.world_size)))
     return outs
 
 
@@ -515,7 +518,7 @@ def _header(outs: list[_Out]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _data_files(outs: list[_Out], compression: str | None) -> list[OutFile]:
+def _data_files(outs: list[_Out], compression: str | None, keep_chunks: bool = False) -> list[OutFile]:
     """One data file per rank for every chunk without an entry (section 12), each
     chunk's place set; the seal checksums what was copied (and compresses it:
     one zstd frame per chunk, memory bounded by one chunk) and returns
@@ -532,7 +535,8 @@ def _data_files(outs: list[_Out], compression: str | None) -> list[OutFile]:
         for o in chunks:
             o.file, o.offset = name, pos
             pos += o.nbytes
-        f = OutFile(name, pos, small=[(0, head)] if head else [], scratch=compression is not None, seal=_sealer(name, chunks, compression))
+        f = OutFile(name, pos, small=[(0, head)] if head else [], scratch=compression is not None, seal=_sealer(name, chunks, compression),
+                    rank=rank if keep_chunks else None)
         f.fills = [(o.tensor, o.offset, o.region, o.dtype) for o in chunks]
         files.append(f)
     return files
@@ -671,7 +675,7 @@ def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: lis
     rel_dir = f"{CHECKPOINTS}/{index:08d}"
     final = store / rel_dir
     reused = [o for o in outs if o.entry is not None]
-    files = _data_files(outs, opts.compression)
+    files = _data_files(outs, opts.compression, opts.keep_chunks)
     names = [f.rel for f in files]
     now = time.time()
     step = ckpt.step if isinstance(ckpt.step, int) and not isinstance(ckpt.step, bool) else None
