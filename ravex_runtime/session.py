@@ -118,6 +118,18 @@ def _sharded(m: torch.nn.Module) -> bool:
     return any(_is_dtensor(p) for p in m.parameters())
 
 
+def unsupported(t: Tracked) -> str | None:
+    """Why these objects cannot be checkpointed (None: they can). FSDP1 (``FullyShardedDataParallel``)
+    keeps flat parameters that name no tensor of the model: not handled yet, said plainly rather than
+    saved wrong."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in t.models):
+        return ("the model is wrapped in FSDP1 (FullyShardedDataParallel), which Ravex does not checkpoint yet; "
+                "use FSDP2 (torch.distributed.fsdp.fully_shard) or DDP")
+    return None
+
+
 def _mesh_of(t: Tracked) -> list[int] | None:
     from .state import _is_dtensor
 
@@ -565,6 +577,9 @@ class Session:
         from .state import capture, layout_of
 
         assert self.coord is not None
+        why = unsupported(t)
+        if why is not None:
+            raise RavexError(why)
         sharded = any(_sharded(m) for m in t.models)
         per_rank = sharded and self._per_rank()
         self.mode = "per_rank" if per_rank else "gather" if sharded else "replicated"
