@@ -29,7 +29,7 @@ from ravex_convert.model import MODEL, OBJ, OPTIM, Checkpoint
 from .errors import ResumeError
 from .loading import load_checkpoint, load_torch_save, torch_save_files
 from .sampler import LoaderState, generators_of
-from .state import Tracked, restore_rng, unflatten
+from .state import Tracked, is_fsdp1, restore_rng, unflatten
 from .workers import check_states
 
 __all__ = ["Resume", "ResumeError", "restore_into"]
@@ -173,6 +173,31 @@ def _plan_optimizer0(opt: Any, objs: dict[str, Any], tensors: dict[str, torch.Te
     return sd
 
 
+def _plan_fsdp1_optimizer(opt: Any, objs: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> dict[str, Any]:
+    """The first optimizer of an FSDP1 model, as torch's state-dict API takes it back (keyed by
+    parameter name; it flattens it onto the FSDP1 flat parameters): groups by count, names as saved."""
+    groups = objs["optim.param_groups"]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise _corrupt(where, "optim.param_groups is not a list of groups")
+    if len(groups) != len(opt.param_groups):
+        raise _mismatch(where, f"the optimizer ({type(opt).__name__}) has {len(opt.param_groups)} parameter groups, the checkpoint {len(groups)}")
+    state: dict[str, dict[str, Any]] = {}
+    for n, t in tensors.items():
+        if n.startswith(OPTIM):
+            parts = n.split("/", 2)
+            if len(parts) != 3:
+                raise _corrupt(where, f"optimizer tensor '{n}' is not named optim/<state>/<parameter>")
+            state.setdefault(parts[2], {})[parts[1]] = t
+    for fqn, sc in (objs.get("optim.scalars") or {}).items():
+        if isinstance(sc, dict):
+            state.setdefault(str(fqn), {}).update(sc)
+    model = {n[len(MODEL):] for n in tensors if n.startswith(MODEL)}
+    unknown = sorted(set(state) - model)
+    if unknown:
+        raise _mismatch(where, f"the checkpoint holds optimizer state for parameters the model does not hold: {unknown[:5]}")
+    return {"state": state, "param_groups": [dict(g) for g in groups], "fsdp1": True}
+
+
 def _plan_optimizers(live: Tracked, objs: dict[str, Any], tensors: dict[str, torch.Tensor], names: dict[int, str], where: str) -> list[Any]:
     opts = live.optimizers
     saved = (1 if "optim.param_groups" in objs else 0) + sum(1 for k in objs if k.startswith("optimizer."))
@@ -180,7 +205,9 @@ def _plan_optimizers(live: Tracked, objs: dict[str, Any], tensors: dict[str, tor
         raise _mismatch(where, f"the checkpoint holds the state of {saved} optimizer(s), this run built {len(opts)} by its first iteration")
     out: list[tuple[Any, dict[str, Any]]] = []
     for i, opt in enumerate(opts):
-        if i == 0 and "optim.param_groups" in objs:
+        if i == 0 and "optim.param_groups" in objs and live.models and is_fsdp1(live.models[0]):
+            out.append((opt, _plan_fsdp1_optimizer(opt, objs, tensors, where)))
+        elif i == 0 and "optim.param_groups" in objs:
             pnames = [names.get(id(p), f"param.{k}") for k, p in enumerate(p for g in opt.param_groups for p in g["params"])]
             out.append((opt, _plan_optimizer0(opt, objs, tensors, pnames, where)))
         else:
@@ -423,10 +450,21 @@ def _snapshot(p: _Plan) -> list[Callable[[], None]]:
 
 
 def _apply(p: _Plan) -> None:
+    fsdp1 = next((m for m, _ in p.models if is_fsdp1(m)), None)
     for m, sd in p.models:
-        m.load_state_dict(sd, strict=False)  # names and shapes checked; extra state, if any, stays
+        if is_fsdp1(m):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(m, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            m.load_state_dict(sd, strict=False)  # names and shapes checked; extra state, if any, stays
     for obj, sd in [*p.optimizers, *p.stateful]:
-        obj.load_state_dict(sd)
+        if isinstance(sd, dict) and sd.get("fsdp1") and fsdp1 is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(fsdp1, obj, {k: v for k, v in sd.items() if k != "fsdp1"}, options=StateDictOptions(full_state_dict=True))
+        else:
+            obj.load_state_dict(sd)
     if p.rng is not None:
         restore_rng(p.rng)
     for ld, st, saved in p.loaders:

@@ -177,12 +177,6 @@ class Runtime:
         stepped, self.steps_since_boundary = self.steps_since_boundary > 0, 0
         live = self.session.tracked()
         self.held = [*live.models, *live.optimizers, *live.schedulers, *live.scalers, *(ld for ld, _ in live.loaders if ld is not None)]
-        from .session import unsupported
-
-        why = unsupported(live)
-        if why is not None:
-            self.disable(why)
-            return
         if not self.restored:
             self.restore()
         coord = self.session.coord if self.session.join() else None

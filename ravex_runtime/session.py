@@ -118,18 +118,6 @@ def _sharded(m: torch.nn.Module) -> bool:
     return any(_is_dtensor(p) for p in m.parameters())
 
 
-def unsupported(t: Tracked) -> str | None:
-    """Why these objects cannot be checkpointed (None: they can). FSDP1 (``FullyShardedDataParallel``)
-    keeps flat parameters that name no tensor of the model: not handled yet, said plainly rather than
-    saved wrong."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if any(isinstance(m, FullyShardedDataParallel) for m in t.models):
-        return ("the model is wrapped in FSDP1 (FullyShardedDataParallel), which Ravex does not checkpoint yet; "
-                "use FSDP2 (torch.distributed.fsdp.fully_shard) or DDP")
-    return None
-
-
 def _mesh_of(t: Tracked) -> list[int] | None:
     from .state import _is_dtensor
 
@@ -574,14 +562,17 @@ class Session:
         """A capture on every rank of the job (each calls it at the same boundary): rank 0 copies the
         model, optimizers and schedulers (a sharded model's tensors gathered whole: collectives
         every rank joins); every rank's random streams and data positions are gathered to it."""
-        from .state import capture, layout_of
+        from .state import capture, is_fsdp1, layout_of
 
         assert self.coord is not None
-        why = unsupported(t)
-        if why is not None:
-            raise RavexError(why)
-        sharded = any(_sharded(m) for m in t.models)
-        per_rank = sharded and self._per_rank()
+        fsdp1 = any(is_fsdp1(m) for m in t.models)
+        sharded = fsdp1 or any(_sharded(m) for m in t.models)
+        if fsdp1 and self.config.sharded_checkpoints == "per_rank" and not self._warned_per_rank:
+            self._warned_per_rank = True
+            if self.rank == 0:
+                log.warning("ravex: sharded_checkpoints: per_rank falls back to gather: the model is wrapped in FSDP1 "
+                            "(FullyShardedDataParallel), whose flat parameters name no tensor of the model; FSDP2 (fully_shard) writes per rank")
+        per_rank = sharded and not fsdp1 and self._per_rank()
         self.mode = "per_rank" if per_rank else "gather" if sharded else "replicated"
         if not sharded and not self._checked_replicas:
             self._checked_replicas = True
@@ -601,7 +592,7 @@ class Session:
                 snap.tensors.update(tensors)
             files = {str(r): f"rank{r:05d}" + (" and checkpoint.json" if r == 0 else "") for r in range(self.world_size)} if per_rank else {"0": "all"}
             snap.objects["distributed"] = {"world_size": self.world_size, "mode": self.mode, "mesh": _mesh_of(t),
-                                           "wrap": "fsdp2" if sharded else ("ddp" if self._ddp else "none"),
+                                           "wrap": "fsdp1" if fsdp1 else "fsdp2" if sharded else ("ddp" if self._ddp else "none"),
                                            "written_by": files, "shared_storage": self.shared}
             if len(steps) > 1:
                 snap.objects["distributed"]["refused"] = f"the ranks are at different steps: {steps}"

@@ -141,18 +141,23 @@ def capture(live: Tracked, step: int, spare: dict[str, torch.Tensor], extra: dic
     one-process resume looks for them."""
     snap = Snapshot(step=step, spare=spare, local_shards=local_shards, rank=rank_part or 0)
     for i, m in enumerate(live.models):
-        for k, v in m.state_dict().items():
+        for k, v in (_fsdp1_state(m) if is_fsdp1(m) else m.state_dict()).items():
             if isinstance(v, torch.Tensor):
                 v = _full(v, local_shards)
                 if keep or (local_shards and _is_dtensor(v)):
                     snap.add(f"{MODEL}{k}" if i == 0 else f"{OBJ}model.{i}/{k}", v)
-    if live.models:  # what each of the model's tensors is: a converter to ZeRO-3 needs it, and no file could tell it
+    if live.models and not is_fsdp1(live.models[0]):
+        # what each of the model's tensors is: a converter to ZeRO-3 needs it, and no file could tell it
         m = live.models[0]
         snap.kinds = {f"{MODEL}{n}": BUFFER for n, _ in m.named_buffers(remove_duplicate=False)}
         snap.kinds.update({f"{MODEL}{n}": PARAMETER if p.requires_grad else FROZEN for n, p in m.named_parameters(remove_duplicate=False)})
     names = live.param_names()
     for i, opt in enumerate(live.optimizers):
-        if i == 0:
+        if i == 0 and live.models and is_fsdp1(live.models[0]):
+            state = _capture_fsdp1_optimizer(snap, live.models[0], opt, keep)
+            if keep:
+                snap.objects.update(state)
+        elif i == 0:
             state = _capture_optimizer(snap, opt, names, keep, local_shards)
             if keep:
                 snap.objects.update(state)
@@ -211,6 +216,48 @@ def _capture_optimizer(snap: Snapshot, opt: Any, names: dict[int, str], keep: bo
     groups = []
     for g in sd["param_groups"]:
         groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": [pnames[i] for i in g["params"]]})
+    return {"optim.param_groups": snap.flatten(groups, "optim.param_groups"), "optim.scalars": scalars}
+
+
+def is_fsdp1(m: Any) -> bool:
+    """An FSDP1 (``FullyShardedDataParallel``) module: flat parameters that name no tensor of the model."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return isinstance(m, FullyShardedDataParallel)
+
+
+def _fsdp1_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _fsdp1_state(m: Any) -> dict[str, Any]:
+    """An FSDP1 model's state by its tensors' own names, whole on rank 0 (empty elsewhere): torch's own
+    state-dict API, a collective every rank joins. FSDP1 is checkpointed as ``gather``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(m, options=_fsdp1_options())
+
+
+def _capture_fsdp1_optimizer(snap: Snapshot, m: Any, opt: Any, keep: bool) -> dict[str, Any]:
+    """The optimizer of an FSDP1 model, keyed by parameter name (torch's state-dict API unflattens it;
+    a collective), in the same layout as :func:`_capture_optimizer`'s."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(m, opt, options=_fsdp1_options())
+    if not keep:
+        return {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, st in sd.get("state", {}).items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                snap.add(f"{OPTIM}{k}/{fqn}", v)
+            else:
+                scalars.setdefault(str(fqn), {})[k] = v
+    groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": list(g["params"])} for g in sd.get("param_groups", [])]
     return {"optim.param_groups": snap.flatten(groups, "optim.param_groups"), "optim.scalars": scalars}
 
 
