@@ -76,7 +76,8 @@ def assign(files: list[OutFile], ranks: int) -> list[int]:
     load = [0] * ranks
     owner = [0] * len(files)
     for i in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
-        r = files[i].rank if files[i].rank is not None else min(range(ranks), key=lambda r: (load[r], r))
+        want = files[i].rank
+        r = want if want is not None else min(range(ranks), key=lambda r: (load[r], r))
         if not 0 <= r < ranks:
             raise RavexError(f"{files[i].rel} is to be written by rank {r}, but the group has {ranks} rank(s)",
                              hint="write a checkpoint of a run on many ranks from the same ranks")

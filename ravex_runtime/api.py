@@ -132,13 +132,13 @@ def _all_here(rt: Any) -> bool:
         if rt.session.world_size > 1 and rt.session.rank == 0:
             log.error("ravex: no final checkpoint at step %d: the ranks can no longer agree on one (the process group is gone, or was never "
                       "initialized); the last checkpoint written stays the newest", rt.step)
-        return rt.session.world_size == 1
+        return bool(rt.session.world_size == 1)
     together, missing = coord.all_here(rt.step)
     if not together:
         log.error("ravex: no final checkpoint at step %d: %s; the last checkpoint written stays the newest", rt.step,
                   f"rank(s) {', '.join(map(str, missing))} did not reach the end within {int(coord.exit_wait_s)} s" if missing
                   else "the ranks ended at different steps")
-    return together
+    return bool(together)
 
 
 def track(*objs: Any, name: str | None = None) -> None:

@@ -24,6 +24,7 @@ function): every rank passes that boundary, so making it there is safe.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -98,12 +99,12 @@ class Coord:
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        self._dist = dist
+        self._dist: Any = dist  # (its store classes are not in its exported names)
         self.rank = int(dist.get_rank())
         self.size = int(dist.get_world_size())
         # A group of our own: our messages never interleave with the training's collectives, and
         # gloo carries CPU objects whatever backend the default group has.
-        self.group = dist.new_group(backend="gloo")
+        self.group: Any = dist.new_group(backend="gloo")
         self.prefix = f"ravex/{self.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)}/"
         client = self._client()
         self.own_store = client is not None
@@ -264,10 +265,8 @@ class StoreGroup:
         """After an all-gather, every rank has set its key of it, so every rank finished the messages
         before it: this rank's keys up to the previous all-gather are read by all, and deleted."""
         for key in self._mine[:self._settled]:
-            try:
+            with contextlib.suppress(Exception):  # a key left behind costs a few bytes in the store
                 self.store.delete_key(key)
-            except Exception:  # noqa: BLE001 - a key left behind costs a few bytes in the store
-                pass
         self._mine = self._mine[self._settled:]
         self._settled = len(self._mine)
 

@@ -19,7 +19,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -455,14 +455,15 @@ def _apply(p: _Plan) -> None:
         if is_fsdp1(m):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            set_model_state_dict(m, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+            set_model_state_dict(m, cast(Any, sd), options=StateDictOptions(full_state_dict=True, strict=False))
         else:
             m.load_state_dict(sd, strict=False)  # names and shapes checked; extra state, if any, stays
     for obj, sd in [*p.optimizers, *p.stateful]:
         if isinstance(sd, dict) and sd.get("fsdp1") and fsdp1 is not None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(fsdp1, obj, {k: v for k, v in sd.items() if k != "fsdp1"}, options=StateDictOptions(full_state_dict=True))
+            osd: Any = {k: v for k, v in sd.items() if k != "fsdp1"}
+            set_optimizer_state_dict(fsdp1, obj, osd, options=StateDictOptions(full_state_dict=True))
         else:
             obj.load_state_dict(sd)
     if p.rng is not None:
@@ -491,9 +492,10 @@ def _localize(p: _Plan) -> None:
         live = m.state_dict()
         if any(_is_dtensor(v) for v in live.values()):
             p.models[i] = (m, {k: local(v, live[k]) if _is_dtensor(live.get(k)) and not _is_dtensor(v) else v for k, v in sd.items()})
-    for opt, sd in p.optimizers:
+    for opt, osd in p.optimizers:
         params = [q for g in opt.param_groups for q in g["params"]]
-        for pid, st in sd.get("state", {}).items():
+        state: dict[Any, Any] = osd.get("state", {})
+        for pid, st in state.items():
             q = params[pid] if isinstance(pid, int) and 0 <= pid < len(params) else None
             if q is None or not _is_dtensor(q):
                 continue
@@ -641,12 +643,13 @@ class Resume:
             have = coord.all_gather(self.pending is not None)
             if not all(have):
                 # Storage that not every rank sees: rank 0 sends what it loaded.
-                sent = coord.broadcast((self.pending[0].step, self.pending[0].objects, self.pending[0].source, self.pending[1])
-                                       if coord.rank == 0 else None)
+                ours = self.pending if coord.rank == 0 else None
+                sent = coord.broadcast((ours[0].step, ours[0].objects, ours[0].source, ours[1]) if ours is not None else None)
                 if self.pending is None:
                     ckpt = Checkpoint("native", self.store, step=sent[0], objects=sent[1], source=sent[2])
                     self.pending = (ckpt, sent[3])
             self.index, self.label = index, label
+            assert self.pending is not None
             ckpt, tensors = self.pending
             mine = for_rank(ckpt, coord.rank, coord.size)
             err: str | None = None

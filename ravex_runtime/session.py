@@ -35,7 +35,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
 
@@ -124,7 +124,7 @@ def _mesh_of(t: Tracked) -> list[int] | None:
     for m in t.models:
         for p in m.parameters():
             if _is_dtensor(p):
-                return [int(s) for s in p.device_mesh.shape]
+                return [int(s) for s in cast(Any, p).device_mesh.shape]
     return None
 
 
@@ -237,6 +237,7 @@ class Session:
         self.mode: str | None = None  # replicated, gather or per_rank: how the last checkpoint was captured
         self._checked_replicas = False
         self._ddp = False  # a DistributedDataParallel wrapper was seen (and looked through)
+        self._ddp_relayout = False
         self._left = False  # the job's process group is gone (leave())
         self._warned_per_rank = False
         self._writers: Any = None  # per_rank: the group the ranks' writers agree through (dist.StoreGroup)
@@ -512,6 +513,9 @@ class Session:
         roots = [m for m in mods if id(m) not in children and _has_state(m)]
         inner = [_unwrap(m) for m in roots]
         self._ddp = self._ddp or any(a is not b for a, b in zip(inner, roots))
+        # DDP lays its gradient buckets out again after its first step, unless it looks for unused
+        # parameters: a restarted DDP's first step then sums in another order (at 3+ ranks it shows)
+        self._ddp_relayout = self._ddp_relayout or any(a is not b and not getattr(b, "find_unused_parameters", True) for a, b in zip(inner, roots))
         roots = inner
         opt = next(iter(_alive(self._optimizers)), None)
         if opt is not None:
@@ -577,6 +581,11 @@ class Session:
         if not sharded and not self._checked_replicas:
             self._checked_replicas = True
             self._check_replicas(t)
+            if self._ddp_relayout and self.world_size >= 3 and self.rank == 0:
+                log.warning("ravex: DDP on %d ranks: after a resume, DDP's first step sums the ranks' gradients in another order than "
+                            "the uninterrupted run's (DDP lays its gradient buckets out again after its first step; this happens without "
+                            "Ravex too), so the weights can differ in the last bit from there on. For bit-identical resumes pass "
+                            "find_unused_parameters=True to DistributedDataParallel: it keeps one bucket layout", self.world_size)
         snap = capture(t, step, spare, {"ravex_run_id": self.run_id}, keep=self.rank == 0, rank_part=self.rank, local_shards=per_rank)
         part = snap.objects.pop("rank_part")
         mine = f"obj/ranks/{self.rank}/"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -86,13 +86,14 @@ class Snapshot:
             from torch.distributed.tensor import Replicate
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-            local = t.to_local()
-            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            dt: Any = t
+            local = dt.to_local()
+            shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
             if tuple(local.shape) != tuple(shape):
                 raise RavexError(f"'{name}': the local shard is {list(local.shape)}, its layout says {list(shape)}",
                                  hint="set sharded_checkpoints: gather for this model")
-            coord = t.device_mesh.get_coordinate() or []
-            if any(isinstance(pl, Replicate) and c != 0 for pl, c in zip(t.placements, coord)):
+            coord = dt.device_mesh.get_coordinate() or []
+            if any(isinstance(pl, Replicate) and c != 0 for pl, c in zip(dt.placements, coord)):
                 return TensorLink(name)  # the first replica along that mesh dimension writes it
             self.shards[name] = (tuple(int(s) for s in t.shape), tuple(int(o) for o in offset))
             t = local
@@ -121,7 +122,7 @@ class Snapshot:
 def _full(t: torch.Tensor, local: bool = False) -> torch.Tensor:
     """A sharded tensor (a DTensor: FSDP2) as the whole tensor, on every rank (a collective); any
     other tensor, or with ``local`` (per_rank: each rank copies its own shard), as it is."""
-    return t.full_tensor() if _is_dtensor(t) and not local else t
+    return cast(Any, t).full_tensor() if _is_dtensor(t) and not local else t
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -188,11 +189,11 @@ def _capture_optimizer(snap: Snapshot, opt: Any, names: dict[int, str], keep: bo
     ``local_shards``: each rank copies its own shards of it (and rank 0, with ``keep``, the rest)."""
     sd = opt.state_dict()
     if local_shards and not keep:
-        pnames = [names.get(id(p), f"param.{j}") for j, p in enumerate(p for g in opt.param_groups for p in g["params"])]
+        fqns = [names.get(id(p), f"param.{j}") for j, p in enumerate(p for g in opt.param_groups for p in g["params"])]
         for pid, st in sd["state"].items():
             for k, v in st.items():
                 if _is_dtensor(v):
-                    snap.add(f"{OPTIM}{k}/{pnames[pid]}", v)
+                    snap.add(f"{OPTIM}{k}/{fqns[pid]}", v)
         return {}
     if not keep:
         # the same gathers as rank 0's, in the same order (the state's own, the same on every rank)
@@ -239,7 +240,7 @@ def _fsdp1_state(m: Any) -> dict[str, Any]:
     state-dict API, a collective every rank joins. FSDP1 is checkpointed as ``gather``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(m, options=_fsdp1_options())
+    return dict(get_model_state_dict(m, options=_fsdp1_options()))
 
 
 def _capture_fsdp1_optimizer(snap: Snapshot, m: Any, opt: Any, keep: bool) -> dict[str, Any]:
@@ -247,7 +248,7 @@ def _capture_fsdp1_optimizer(snap: Snapshot, m: Any, opt: Any, keep: bool) -> di
     a collective), in the same layout as :func:`_capture_optimizer`'s."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    sd = get_optimizer_state_dict(m, opt, options=_fsdp1_options())
+    sd: Any = get_optimizer_state_dict(m, opt, options=_fsdp1_options())
     if not keep:
         return {}
     scalars: dict[str, dict[str, Any]] = {}

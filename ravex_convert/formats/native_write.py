@@ -383,7 +383,11 @@ def _plan(ckpt: Checkpoint, opts: Options) -> list[_Out]:
             raise RavexError(f"tensor '{name}' has shape {list(t.shape)}", hint="a shape lists non-negative integers")
         t = t if t.name == name else t.renamed(name)
         if opts.keep_chunks:
-            outs.extend(_Out(t, k, c.owner or 0, c.region, dtype) for k, c in enumerate(t.chunks) if c.region.numel)
+            for k, c in enumerate(t.chunks):
+                if not isinstance(c.region, Box):
+                    raise RavexError(f"tensor '{name}': a chunk kept as it is must be a box", hint="this is a bug in Ravex")
+                if c.region.numel:
+                    outs.append(_Out(t, k, c.owner or 0, c.region, dtype))
         else:
             outs.extend(_Out(t, k, rank, box, dtype) for k, (rank, box) in enumerate(_split(name, tuple(t.shape), opts.world_size)))
     return outs
