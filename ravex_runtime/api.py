@@ -90,7 +90,12 @@ def _run(f: Callable[..., Any], preemption_handler: bool, args: Any, kwargs: Any
     old_term: Any = None
     if preemption_handler and threading.current_thread() is threading.main_thread():
         def on_term(signum: int, frame: Any) -> None:
-            rt.preempted = True
+            if rt.active:
+                rt.preempted = True
+                return
+            # Ravex switched itself off: nothing will checkpoint and exit, so SIGTERM does what it did before
+            signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
         old_term = signal.signal(signal.SIGTERM, on_term)
     ok = False
     try:
@@ -218,6 +223,10 @@ def restore(path: str | Path | None = None, index: int = -1, *, weights_only: bo
     ckpt, tensors = load_checkpoint(store, index)
     # All or nothing: a checkpoint that does not fit the live objects raises with none of them touched
     # (and the automatic resume, if still due, still happens at the first iteration boundary).
+    if rt.session.world_size > 1:
+        from .restoring import for_rank
+
+        ckpt = for_rank(ckpt, rt.session.rank, rt.session.world_size)  # this rank's own streams and position
     rt.session.apply(ckpt, tensors, weights_only=weights_only, where=f"checkpoint {ckpt.source.get('index')} (step {ckpt.step}) of {store}")
     if not weights_only:
         rt.restored = True

@@ -49,6 +49,8 @@ EXIT_WAIT_S = 30.0
 _PREEMPT_AGREE_S = 120.0
 # How long a rank's background writer waits for the others' (they write their shards at the same time).
 WRITER_WAIT_S = 1800.0
+# The storage probe's token file, left in the store by rank 0 for a moment.
+PROBE_PREFIX = ".ravex-probe-"
 
 
 @dataclass(frozen=True)
@@ -107,15 +109,17 @@ class Coord:
         self.group: Any = dist.new_group(backend="gloo")
         self.prefix = f"ravex/{self.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)}/"
         client = self._client()
-        self.own_store = client is not None
-        self.store = client if client is not None else dist.distributed_c10d._get_default_store()
+        # Every rank talks through the same store, or the posts never meet: connections of our own
+        # only when every rank has one (else the default group's store, for all).
+        self.own_store = all(self.all_gather(client is not None))
+        self.store = client if self.own_store else dist.distributed_c10d._get_default_store()
         self.host = socket.gethostname()
         self.remote_preempt = threading.Event()
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         self._exit_round = 0
         self.exit_wait_s = EXIT_WAIT_S
-        self._writers: StoreGroup | None = None
+        self._writers: Any = None  # the writers' store connection (False: not every rank has one)
 
     # ------------------------------------------------------------ collectives (training thread, every rank)
 
@@ -138,14 +142,18 @@ class Coord:
     def probe(self, store: Path) -> list[bool]:
         """Which ranks see the store directory rank 0 sees: rank 0 leaves a token file there, each
         rank looks for it at its own ``store`` path, rank 0 removes it. By rank."""
-        token = f".ravex-probe-{self.prefix.split('/')[1]}"
+        token = f"{PROBE_PREFIX}{self.prefix.split('/')[1]}"
         if self.rank == 0:
-            store.mkdir(parents=True, exist_ok=True)
-            (store / token).write_text(self.host)
+            try:
+                store.mkdir(parents=True, exist_ok=True)
+                (store / token).write_text(self.host)
+            except OSError as exc:  # every rank still takes part in both exchanges below
+                log.warning("ravex: storage: cannot write the probe file in %s (%s); taking the store for not shared", store, exc)
         self.all_gather(None)  # the token is there before anyone looks
         seen = self.all_gather((store / token).is_file())
         if self.rank == 0:
-            (store / token).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (store / token).unlink(missing_ok=True)
         return seen
 
     # ------------------------------------------------------------ preemption (the store)
@@ -201,45 +209,63 @@ class Coord:
     # ------------------------------------------------------------ exit
 
     def all_here(self, step: int, timeout_s: float | None = None) -> tuple[bool, list[int]]:
-        """A bounded wait for every rank at exit: whether all came within ``timeout_s`` at the same
-        step, and the ranks that did not come."""
+        """A bounded wait for every rank at exit, decided by rank 0 alone (so no rank goes on into
+        the final checkpoint while another gave up): every rank posts its step; rank 0 waits up to
+        ``timeout_s`` for all of them at the same step and posts its verdict; the others wait for the
+        verdict (a while longer: rank 0 may come last). Whether all are here, and who did not come."""
+        import json
+
         self._exit_round += 1
         base = self.prefix + f"exit/{self._exit_round}/"
-        self.store.set(base + str(self.rank), str(step))
-        keys = [base + str(r) for r in range(self.size)]
-        deadline = time.monotonic() + (self.exit_wait_s if timeout_s is None else timeout_s)
-        while time.monotonic() < deadline:
-            try:
-                if self.store.check(keys):
-                    steps = {int(v) for v in self.store.multi_get(keys)}
-                    return len(steps) == 1, []
-            except Exception:  # noqa: BLE001 - the store is gone: some rank (the one hosting it) left
-                break
-            time.sleep(0.05)
+        wait = self.exit_wait_s if timeout_s is None else timeout_s
         try:
+            self.store.set(base + str(self.rank), str(step))
+            if self.rank != 0:
+                deadline = time.monotonic() + 2 * wait
+                while time.monotonic() < deadline:
+                    if self.store.check([base + "verdict"]):
+                        verdict = json.loads(self.store.get(base + "verdict"))
+                        return bool(verdict["go"]), list(verdict["missing"])
+                    time.sleep(0.05)
+                return False, [0]
+            keys = [base + str(r) for r in range(self.size)]
+            deadline = time.monotonic() + wait
+            go = False
+            while time.monotonic() < deadline:
+                if self.store.check(keys):
+                    go = len({int(v) for v in self.store.multi_get(keys)}) == 1
+                    break
+                time.sleep(0.05)
             missing = [r for r in range(self.size) if not self.store.check([base + str(r)])]
-        except Exception:  # noqa: BLE001
-            missing = [r for r in range(self.size) if r != self.rank]
-        return False, missing
+            self.store.set(base + "verdict", json.dumps({"go": go and not missing, "missing": missing}))
+            return go and not missing, missing
+        except Exception:  # noqa: BLE001 - the store is gone: the rank hosting it (torchrun's agent, or rank 0) left
+            return False, [r for r in range(self.size) if r != self.rank]
 
     def wait_timeout(self) -> timedelta:
         return timedelta(seconds=_PREEMPT_AGREE_S)
 
-    def writer_group(self) -> StoreGroup | None:
-        """The group the background writers of a per_rank checkpoint agree through (None without a
-        store connection of our own: per_rank then falls back to gather)."""
-        if self._writers is None and self.own_store:
-            client = self._client()
-            if client is not None:
-                self._writers = StoreGroup(client, self.prefix + "w/", self.rank, self.size)
-        return self._writers
+    def writer_store(self) -> Any:
+        """A store connection for the background writers of per_rank checkpoints, agreed by every rank
+        (a collective: call it where every rank passes); None when some rank has none (per_rank then
+        falls back to gather on every rank)."""
+        if self._writers is None:
+            client = self._client() if self.own_store else None
+            self._writers = client if all(self.all_gather(client is not None)) else False
+        return self._writers or None
 
     def close(self) -> None:
-        """Stop the watcher (before the process group, and its store, go away)."""
+        """Stop the watcher (before the process group, and its store, go away) and end Ravex's own
+        group while the default one still exists (a gloo group left to the interpreter's teardown
+        aborts the process)."""
         self._closed.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join()
             self._watcher = None
+        if self.group is not None and self._dist.is_initialized():
+            with contextlib.suppress(Exception):
+                self._dist.destroy_process_group(self.group)
+        self.group = None
 
 
 class StoreGroup:
@@ -276,6 +302,25 @@ class StoreGroup:
         self.store.set(key, pickle.dumps(obj))
         self._mine.append(key)
 
+    def abort(self, why: str) -> None:
+        """This rank gives this checkpoint up: every rank waiting on it stops waiting (and fails it)."""
+        with contextlib.suppress(Exception):
+            self.store.set(self.prefix + "abort", why)
+
+    def _wait(self, keys: list[str]) -> None:
+        """Until ``keys`` are all set; raises when a rank gave the checkpoint up, or after the timeout."""
+        from ravex_convert.errors import RavexError
+
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        abort = [self.prefix + "abort"]
+        while not self.store.check(keys):
+            if self.store.check(abort):
+                raise RavexError(f"another rank gave this checkpoint up: {self.store.get(abort[0]).decode(errors='replace')}")
+            if time.monotonic() > deadline:
+                raise RavexError(f"the other ranks' writers did not answer in {self.timeout.total_seconds():.0f} s",
+                                 hint="a rank is gone or its storage is stuck; the checkpoints before this one are intact")
+            time.sleep(0.01)
+
     def broadcast(self, obj: Any) -> Any:
         import pickle
 
@@ -283,7 +328,7 @@ class StoreGroup:
         if self.rank == 0:
             self._set(key, obj)
             return obj
-        self.store.wait([key], self.timeout)
+        self._wait([key])
         return pickle.loads(self.store.get(key))
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -292,7 +337,7 @@ class StoreGroup:
         base = self._next()
         self._set(base + str(self.rank), obj)
         keys = [base + str(r) for r in range(self.size)]
-        self.store.wait(keys, self.timeout)
+        self._wait(keys)
         out = [pickle.loads(v) for v in self.store.multi_get(keys)]
         self._forget()
         return out

@@ -112,6 +112,15 @@ class Runtime:
         self.active = self.counting = False
 
     def disable(self, why: str) -> None:
+        from .dist import initialized
+
+        if self.active and self.session.world_size > 1 and not self.session.left and initialized():
+            # On many ranks the next checkpoint is a collective: a rank that stopped alone would
+            # leave the others waiting in it. Every rank learns of it there, and all stop together.
+            if self.error is None:
+                log.error("ravex: %s; every rank stops checkpointing at the next checkpoint boundary", why)
+                self.error = why
+            return
         if self.active:
             log.error("ravex: disabled for the rest of this run: %s; training continues without checkpoints", why)
         self.error = why
@@ -198,7 +207,7 @@ class Runtime:
             self.due = False
             self.collect()
         if self.cfg.max_steps is not None and self.step >= self.cfg.max_steps:
-            if coord is not None and self.last_step_written != self.step:
+            if coord is not None and self.last_step_written != self.step and self.step > self.start_step:
                 self.collect()  # every rank is here, at the same step: the last checkpoint now, not at exit
             raise StopRun()
 
@@ -257,6 +266,17 @@ class Runtime:
             return
         if self.last_step_written == self.step and final:
             return
+        coord = self.session.coord if self.session.join() else None
+        if coord is not None:
+            # the one tiny exchange that keeps the ranks together: has any of them stopped?
+            stopped = [(r, e) for r, e in enumerate(coord.all_gather(self.error or self.session.error)) if e is not None]
+            if stopped:
+                self.active = False
+                self.error = self.error or f"rank {stopped[0][0]}: {stopped[0][1]}"
+                if self.session.rank == 0:
+                    log.error("ravex: disabled for the rest of this run on every rank (rank %d: %s); training continues without checkpoints",
+                              *stopped[0])
+                return
         if not self.session.tracked().models:
             log.warning("ravex: no model is known at step %d (none was built inside the decorated function, or it is gone); "
                         "no checkpoint is written. Use ravex.track(model).", self.step)

@@ -128,7 +128,10 @@ def _stateful(obj: Any) -> bool:
 
 
 def _distributed_sampler(sampler: Any) -> bool:
-    return isinstance(sampler, torch.utils.data.distributed.DistributedSampler)
+    """A DistributedSampler that deals its order out as DistributedSampler does (a subclass with its own
+    ``__iter__``, e.g. one that groups by length, does not: its position is carried per rank)."""
+    ds = torch.utils.data.distributed.DistributedSampler
+    return isinstance(sampler, ds) and type(sampler).__iter__ is ds.__iter__
 
 
 def _epoch_order(sampler: Any, n: int) -> list[int]:

@@ -240,7 +240,8 @@ class Session:
         self._ddp_relayout = False
         self._left = False  # the job's process group is gone (leave())
         self._warned_per_rank = False
-        self._writers: Any = None  # per_rank: the group the ranks' writers agree through (dist.StoreGroup)
+        self._writers: Any = None  # per_rank: the store connection the ranks' writers agree through
+        self.coord_prefix: str | None = None
         self.error: str | None = None  # why writing stopped: the first background write that failed
         self.last_index: int | None = None  # the index of the last checkpoint written
         self.writes = 0
@@ -260,7 +261,7 @@ class Session:
         # The checkpoint restore() will use (loaded ahead by prepare_restore()), the older ones to
         # fall back on, and the ones skipped: the resumed one is pinned, and a skipped one of this
         # store stops keep_last from pruning.
-        from .restore import Resume
+        from .restoring import Resume
 
         self._resume = Resume(self.path, cfg.backend, cfg.source)
         self._prepared = False
@@ -293,8 +294,11 @@ class Session:
             from .loading import TS_FILE
 
             self._refuse_unmarked(store)
+            from .dist import PROBE_PREFIX
+
             other = [p.name for p in store.iterdir()
-                     if p.name not in ("lock", "manifest.json", "checkpoints") and ".tmp-" not in p.name and not TS_FILE.fullmatch(p.name)]
+                     if p.name not in ("lock", "manifest.json", "checkpoints") and ".tmp-" not in p.name and not TS_FILE.fullmatch(p.name)
+                     and not p.name.startswith(PROBE_PREFIX)]
             if other:
                 raise RavexError(f"storage.path {store} is not a Ravex store and not empty (it holds {', '.join(sorted(other)[:5])})",
                                  hint=f"point storage.path in {self.config.source} at a new or empty directory", path=store)
@@ -341,6 +345,7 @@ class Session:
         if not initialized():
             return False
         self.coord = Coord()
+        self.coord_prefix = self.coord.prefix
         self.rank, self.world_size = self.coord.rank, self.coord.size
         self.run_id = self.coord.broadcast(self.run_id)  # one run: rank 0's id on every rank
         seen = self.coord.probe(self.path)
@@ -361,6 +366,11 @@ class Session:
             self.coord.close()
             self.coord = None
             self._left = True
+
+    @property
+    def left(self) -> bool:
+        """The job's process group went away (the ranks no longer exchange anything)."""
+        return self._left
 
     def close(self) -> None:
         """Wait for the writes in flight, stop the writer and give the store back. Does not raise
@@ -586,18 +596,27 @@ class Session:
                             "the uninterrupted run's (DDP lays its gradient buckets out again after its first step; this happens without "
                             "Ravex too), so the weights can differ in the last bit from there on. For bit-identical resumes pass "
                             "find_unused_parameters=True to DistributedDataParallel: it keeps one bucket layout", self.world_size)
-        snap = capture(t, step, spare, {"ravex_run_id": self.run_id}, keep=self.rank == 0, rank_part=self.rank, local_shards=per_rank)
+        try:
+            snap = capture(t, step, spare, {"ravex_run_id": self.run_id}, keep=self.rank == 0, rank_part=self.rank, local_shards=per_rank)
+        except Exception as exc:  # this rank still takes part in the exchanges below, which refuse the step on every rank
+            # (a failure inside one of the gathers above leaves the group broken: torch reports that itself)
+            from .state import Snapshot
+
+            log.exception("ravex: rank %d could not copy its state at step %d", self.rank, step)
+            snap = Snapshot(step=step, rank=self.rank, local_shards=per_rank, failed=f"{type(exc).__name__}: {exc}")
+            snap.objects["rank_part"] = {"rng": {}, "loaders": []}
         part = snap.objects.pop("rank_part")
         mine = f"obj/ranks/{self.rank}/"
         part_tensors = {n: snap.tensors.pop(n) for n in [n for n in snap.tensors if n.startswith(mine)]}
-        parts = self.coord.gather((step, part, part_tensors))
+        parts = self.coord.gather((step, part, part_tensors, snap.failed))
         if parts is not None:
+            failed = [(r, p[3]) for r, p in enumerate(parts) if p[3] is not None]
             steps = sorted({p[0] for p in parts})
             if len(steps) > 1:
                 # (every rank learns it below, in the layout exchange or when rank 0 writes nothing)
                 log.error("ravex: the ranks are at different steps (%s) at a checkpoint boundary; no checkpoint is written", steps)
             snap.objects["ranks"] = [p[1] for p in parts]
-            for _, _, tensors in parts:
+            for _, _, tensors, _ in parts:
                 snap.tensors.update(tensors)
             files = {str(r): f"rank{r:05d}" + (" and checkpoint.json" if r == 0 else "") for r in range(self.world_size)} if per_rank else {"0": "all"}
             snap.objects["distributed"] = {"world_size": self.world_size, "mode": self.mode, "mesh": _mesh_of(t),
@@ -605,9 +624,16 @@ class Session:
                                            "written_by": files, "shared_storage": self.shared}
             if len(steps) > 1:
                 snap.objects["distributed"]["refused"] = f"the ranks are at different steps: {steps}"
+            if failed:
+                snap.objects["distributed"]["refused"] = f"rank {failed[0][0]} could not copy its state: {failed[0][1]}"
+                log.error("ravex: no checkpoint at step %d: rank %d could not copy its state (%s)", step, *failed[0])
         if per_rank:
-            # Every rank's writer builds the same checkpoint: each rank's list of tensors and shards.
-            snap.layout = self.coord.all_gather(layout_of(snap))
+            # Every rank's writer builds the same checkpoint: each rank's list of tensors and shards
+            # (and every rank sees the steps: all write, or none).
+            got = self.coord.all_gather((step, layout_of(snap), snap.failed))
+            snap.layout = [layout for _, layout, _ in got]
+            if len({s for s, _, _ in got}) > 1 or any(f is not None for _, _, f in got):
+                snap.objects.setdefault("distributed", {})["refused"] = "the ranks are at different steps, or one could not copy its state"
         return snap
 
     def _per_rank(self) -> bool:
@@ -617,11 +643,15 @@ class Session:
             return False
         assert self.coord is not None
         why = None if self.shared else "not every rank sees the store (each rank's shard must reach the one checkpoint)"
+        if why is None and self.config.backend != "native":
+            why = f"backend: {self.config.backend} writes one file per checkpoint; per_rank writes into a native store"
+        # The writers' connection (asked for on every rank: a collective) outlives the process group:
+        # a final checkpoint is written after it is gone.
+        store = self.coord.writer_store()
+        if why is None and store is None:
+            why = "some rank has no connection to the job's store at MASTER_ADDR:MASTER_PORT for the writers to agree through (start it with torchrun)"
         if why is None:
-            # The writers' connection outlives the process group (a final checkpoint is written after it is gone).
-            self._writers = self._writers or self.coord.writer_group()
-        if why is None and self._writers is None:
-            why = "the job has no store at MASTER_ADDR:MASTER_PORT for the writers to agree through (start it with torchrun)"
+            self._writers = store
         if why is not None and not self._warned_per_rank:
             self._warned_per_rank = True
             if self.rank == 0:
@@ -639,10 +669,11 @@ class Session:
         assert self.coord is not None
         crc = 0
         for m in t.models:
-            for k, v in m.state_dict().items():
-                if hasattr(v, "detach"):
-                    crc = zlib.crc32(k.encode(), crc)
-                    crc = zlib.crc32(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
+            # parameters only: buffers (BatchNorm's running statistics) differ between the ranks
+            # until DDP broadcasts them again at the next forward
+            for k, v in m.named_parameters():
+                crc = zlib.crc32(k.encode(), crc)
+                crc = zlib.crc32(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
         sums = self.coord.all_gather(crc)
         if len(set(sums)) > 1 and self.rank == 0:
             log.warning("ravex: the ranks hold different weights (checksums %s) and the model is not sharded: rank 0's are checkpointed. "
@@ -689,6 +720,8 @@ class Session:
                     return
                 if self.error is None:
                     self._write(snap)
+                elif snap.layout is not None:
+                    self._writers_group(snap).abort(f"rank {self.rank} writes no more checkpoints: {self.error}")
             except Exception as exc:  # noqa: BLE001 - a failing write stops writing; training goes on
                 log.error("ravex: writing the checkpoint of step %d to %s failed: %s", snap.step if snap else -1, self.path, exc)
                 self.error = f"checkpoint write failed: {exc}"
@@ -716,15 +749,17 @@ class Session:
                 self._write_torch_save(ckpt)
             return
         opts = Options(compression=None if self.config.compression == "none" else self.config.compression, threads=WRITER_THREADS)
-        group = self._writers if snap.layout is not None else None
-        if snap.layout is not None and group is None:
-            raise RavexError("a per_rank checkpoint without the writers' group", hint="this is a bug in Ravex")
+        group = self._writers_group(snap) if snap.layout is not None else None
         with self._store_lock:
             if group is not None:
                 # per_rank: every rank writes its shards into the one checkpoint, rank 0 commits it
                 opts.world_size, opts.keep_chunks = self.world_size, True
-                with _dist.spread(group):
-                    result = native_write.write(ckpt, self.path, opts, run_id=self.run_id.replace(".", "-"))
+                try:
+                    with _dist.spread(group):
+                        result = native_write.write(ckpt, self.path, opts, run_id=self.run_id.replace(".", "-"))
+                except BaseException as exc:
+                    group.abort(f"rank {self.rank}: {exc}")  # the others stop waiting for this rank's part
+                    raise
                 if self.rank != 0:
                     self.last_index = int(result["index"])
                     self.writes += 1
@@ -738,6 +773,15 @@ class Session:
             if self.config.keep_last is not None and self._may_prune():
                 pinned = {self.resumed_index} if self.resumed_index is not None else set()
                 native_write.prune(self.path, self.config.keep_last, pinned=pinned)
+
+    def _writers_group(self, snap: Snapshot) -> Any:
+        """The messages of the ranks' writers for this per_rank checkpoint, named by its step: a rank
+        that missed one checkpoint's messages does not shift every later one's."""
+        from .dist import StoreGroup
+
+        if self._writers is None or self.coord_prefix is None:
+            raise RavexError("a per_rank checkpoint without the writers' store", hint="this is a bug in Ravex")
+        return StoreGroup(self._writers, f"{self.coord_prefix}w/{snap.step}/", self.rank, self.world_size)
 
     def _write_torch_save(self, ckpt: Checkpoint) -> None:
         """One ``ckpt-<index>.pt`` per checkpoint, in the portable torch.save layout (written to a
@@ -803,7 +847,7 @@ class Session:
         self._prepared = False
         if self.join():
             assert self.coord is not None
-            return self._resume.restore_agreed(self.tracked(), self.coord, self.config.resume_from)
+            return self._resume.restore_agreed(self.tracked(), self.coord, self.config.resume_from, shared=self.shared)
         if self.world_size > 1:
             return self._resume.restore(self.tracked(), rank=self.rank)
         return self._resume.restore(self.tracked())
@@ -823,6 +867,6 @@ class Session:
         one that does not fit raises (:class:`~ravex_convert.errors.LayoutMismatchError`,
         :class:`~ravex_convert.errors.CorruptCheckpointError`) with nothing touched. Returns the
         step it saved (None with ``weights_only``, which loads the models only)."""
-        from .restore import restore_into
+        from .restoring import restore_into
 
         return restore_into(self.tracked(), ckpt, tensors, weights_only=weights_only, where=where)

@@ -78,8 +78,24 @@ class Snapshot:
     rank: int = 0
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     layout: list[list[tuple[Any, ...]]] | None = None
+    # On many ranks a copy that fails (out of memory) must not make this rank leave the collectives
+    # the others are in: the capture goes on (gathering, copying nothing) and says why here; the
+    # ranks then write nothing for this step, all of them.
+    failed: str | None = None
+    tolerant: bool = False  # many ranks: a failed copy is recorded in ``failed``, not raised
 
     def add(self, name: str, t: torch.Tensor) -> TensorLink:
+        if self.failed is not None:
+            return TensorLink(name)
+        try:
+            return self._add(name, t)
+        except (RuntimeError, RavexError, MemoryError) as exc:
+            if not self.tolerant:
+                raise
+            self.failed = f"{name}: {exc}"
+            return TensorLink(name)
+
+    def _add(self, name: str, t: torch.Tensor) -> TensorLink:
         # A real copy: the training thread goes on changing the original in place.
         t = t.detach()
         if self.local_shards and _is_dtensor(t):
@@ -87,6 +103,9 @@ class Snapshot:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             dt: Any = t
+            if any(type(pl).__name__ == "_StridedShard" for pl in dt.placements):
+                raise RavexError(f"'{name}' is sharded with a strided placement, whose local piece is not one box of the tensor",
+                                 hint="set sharded_checkpoints: gather for this model")
             local = dt.to_local()
             shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
             if tuple(local.shape) != tuple(shape):
@@ -140,7 +159,7 @@ def capture(live: Tracked, step: int, spare: dict[str, torch.Tensor], extra: dic
     this rank's own: with ``rank_part`` they are named ``ranks/<rank>/...`` (rank 0 gathers
     every rank's part into the checkpoint), and also, on rank 0, at the top level, where a
     one-process resume looks for them."""
-    snap = Snapshot(step=step, spare=spare, local_shards=local_shards, rank=rank_part or 0)
+    snap = Snapshot(step=step, spare=spare, local_shards=local_shards, rank=rank_part or 0, tolerant=rank_part is not None)
     for i, m in enumerate(live.models):
         for k, v in (_fsdp1_state(m) if is_fsdp1(m) else m.state_dict()).items():
             if isinstance(v, torch.Tensor):
@@ -226,7 +245,7 @@ def is_fsdp1(m: Any) -> bool:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:
         return False
-    return isinstance(m, FullyShardedDataParallel)
+    return any(isinstance(x, FullyShardedDataParallel) for x in m.modules())
 
 
 def _fsdp1_options() -> Any:

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ravex_convert.model import Checkpoint, TensorLink
 from ravex_runtime.dist import StoreGroup
-from ravex_runtime.restore import for_rank
+from ravex_runtime.restoring import for_rank
 from ravex_runtime.sampler import LoaderState
 
 N_SAMPLES = 43  # not a multiple of any world size below: DistributedSampler pads

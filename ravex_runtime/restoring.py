@@ -1,4 +1,5 @@
-"""Putting a checkpoint into the live objects, all or nothing.
+"""Putting a checkpoint into the live objects, all or nothing (``restoring``, not ``restore``: the
+package exports a function ``restore``, which a submodule of that name would shadow).
 
 A restore runs in three phases. ``plan`` reads everything the checkpoint holds
 and checks it against the live objects — every model tensor's name, shape and
@@ -619,7 +620,7 @@ class Resume:
             return step if step is not None else int(ckpt.step or 0)
         return None
 
-    def restore_agreed(self, live: Tracked, coord: Any, src: str | int | None) -> int | None:
+    def restore_agreed(self, live: Tracked, coord: Any, src: str | int | None, shared: bool = True) -> int | None:
         """:meth:`restore` on every rank of a job, agreed: rank 0 names the checkpoint; a rank that
         does not see it (its store is not rank 0's) gets it from rank 0; each rank takes its own
         random streams and data position from it and checks it against its live objects; it is
@@ -632,11 +633,15 @@ class Resume:
                 self.pending = None
                 return None
             index, label, step = named
-            if coord.rank != 0 and (self.pending is None or self.index != index or self.pending[0].step != step):
+            if coord.rank != 0 and not shared:
+                # A store of its own (another machine): a checkpoint there with the same index may be
+                # another run's; the state comes from rank 0's.
+                self.pending = None
+            elif coord.rank != 0 and (self.pending is None or self.index != index or self.pending[0].step != step):
                 self.pending = None
                 try:
                     self.pending = (load_checkpoint(self.store, index) if index is not None else self.find(src))
-                except (RavexError, OSError):
+                except Exception:  # noqa: BLE001 - whatever it is, this rank gets it from rank 0 below
                     self.pending = None
                 if self.pending is not None and self.pending[0].step != step:
                     self.pending = None
@@ -662,7 +667,17 @@ class Resume:
             bad = [(r, e) for r, e in enumerate(errs) if e is not None]
             if not bad:
                 assert p is not None
-                restored = apply_plan(p, label)
+                failure: str | None = None
+                try:
+                    restored = apply_plan(p, label)
+                except Exception as exc:  # noqa: BLE001 - told to every rank below
+                    failure = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
+                failures = [(r, f) for r, f in enumerate(coord.all_gather(failure)) if f is not None]
+                if failures:
+                    # Some rank holds the checkpoint and another does not: no rank may train on.
+                    raise ResumeError(f"{label}: restoring failed on rank {failures[0][0]} ({failures[0][1]}); the ranks no longer "
+                                      "hold one state, so the run stops before its first step",
+                                      hint="start the job again; if it fails the same way, " + _SAME_RUN, path=self.store)
                 self.pending = None
                 return restored if restored is not None else int(ckpt.step or 0)
             why = "; ".join(f"rank {r}: {e}" for r, e in bad[:3])
