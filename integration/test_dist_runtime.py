@@ -220,7 +220,7 @@ def newest_job(store: Path) -> dict[str, Any]:
     """What ``ravex status --json`` says of the job that wrote the newest checkpoint: world size,
     mode, which rank wrote which files."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAVEX_")}
-    res = subprocess.run([sys.executable, "-m", "ravex", "status", str(store), "--json"], capture_output=True, text=True, env=env,
+    res = subprocess.run([sys.executable, "-P", "-m", "ravex", "status", str(store), "--json"], capture_output=True, text=True, env=env,
                          timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     listed = json.loads(res.stdout)["checkpoints"]
@@ -540,7 +540,7 @@ def test_the_jobs_checkpoint_loads_into_one_plain_process(mode: str, tmp_path: P
     assert got["different"] == []
 
     out = tmp_path / "out.safetensors"
-    res = subprocess.run([sys.executable, "-m", "ravex", "convert", str(ref.store), str(out), "--to", "safetensors"],
+    res = subprocess.run([sys.executable, "-P", "-m", "ravex", "convert", str(ref.store), str(out), "--to", "safetensors"],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     converted, want = load_file(out), load_file(weights)
