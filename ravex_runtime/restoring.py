@@ -136,11 +136,9 @@ def _check_optimizer(opt: Any, saved: Any, where: str, label: str, pnames: list[
                 raise _mismatch(where, f"{label} state '{k}' of {name} is {list(v.shape)} in the checkpoint, the parameter is {_shape(p)}")
 
 
-def _plan_optimizer0(opt: Any, objs: dict[str, Any], tensors: dict[str, torch.Tensor], pnames: list[str], where: str) -> dict[str, Any]:
-    """The first optimizer is saved by parameter name (``optim/<key>/<fqn>``): back to torch's form, checked."""
-    saved_groups = objs["optim.param_groups"]
-    if not isinstance(saved_groups, list):
-        raise _corrupt(where, "optim.param_groups is not a list")
+def _state_by_name(objs: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> dict[str, dict[str, Any]]:
+    """The first optimizer's per-parameter state as saved: ``{fqn: {state: tensor or value}}``, from
+    the ``optim/<state>/<fqn>`` tensors and ``optim.scalars``."""
     by_name: dict[str, dict[str, Any]] = {}
     for n, t in tensors.items():
         if n.startswith(OPTIM):
@@ -155,6 +153,15 @@ def _plan_optimizer0(opt: Any, objs: dict[str, Any], tensors: dict[str, torch.Te
         if not isinstance(sc, dict):
             raise _corrupt(where, f"optim.scalars of '{fqn}' is not a mapping")
         by_name.setdefault(str(fqn), {}).update(sc)
+    return by_name
+
+
+def _plan_optimizer0(opt: Any, objs: dict[str, Any], tensors: dict[str, torch.Tensor], pnames: list[str], where: str) -> dict[str, Any]:
+    """The first optimizer is saved by parameter name (``optim/<key>/<fqn>``): back to torch's form, checked."""
+    saved_groups = objs["optim.param_groups"]
+    if not isinstance(saved_groups, list):
+        raise _corrupt(where, "optim.param_groups is not a list")
+    by_name = _state_by_name(objs, tensors, where)
     unknown = sorted(set(by_name) - set(pnames))
     if unknown:
         raise _mismatch(where, f"the checkpoint holds optimizer state for parameters this run's optimizer does not hold: {unknown[:5]}")
@@ -182,16 +189,7 @@ def _plan_fsdp1_optimizer(opt: Any, objs: dict[str, Any], tensors: dict[str, tor
         raise _corrupt(where, "optim.param_groups is not a list of groups")
     if len(groups) != len(opt.param_groups):
         raise _mismatch(where, f"the optimizer ({type(opt).__name__}) has {len(opt.param_groups)} parameter groups, the checkpoint {len(groups)}")
-    state: dict[str, dict[str, Any]] = {}
-    for n, t in tensors.items():
-        if n.startswith(OPTIM):
-            parts = n.split("/", 2)
-            if len(parts) != 3:
-                raise _corrupt(where, f"optimizer tensor '{n}' is not named optim/<state>/<parameter>")
-            state.setdefault(parts[2], {})[parts[1]] = t
-    for fqn, sc in (objs.get("optim.scalars") or {}).items():
-        if isinstance(sc, dict):
-            state.setdefault(str(fqn), {}).update(sc)
+    state = _state_by_name(objs, tensors, where)
     model = {n[len(MODEL):] for n in tensors if n.startswith(MODEL)}
     unknown = sorted(set(state) - model)
     if unknown:
