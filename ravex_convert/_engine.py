@@ -285,17 +285,23 @@ def read_many(items: list[tuple[LogicalTensor, bytearray | memoryview, str | Non
     Compressed chunks are decoded first, in bounded pieces; chunks that do not
     cover a tensor, or bytes that are not what the metadata says, raise
     :class:`CorruptCheckpointError` before anything is written."""
+    read_parts([(tensor, flat_all(tensor), out, dtype) for tensor, out, dtype in items], threads=threads)
+
+
+def read_parts(items: list[tuple[LogicalTensor, Region, bytearray | memoryview, str | None]], *, threads: int = 0) -> None:
+    """:func:`read_many` for a region of each tensor (a :class:`Box` of it, row-major in the
+    buffer, or a :class:`Flat` range): one rank's shard is read without the rest."""
     job = CopyJob()
-    for tensor, out, dtype in items:
+    for tensor, region, out, dtype in items:
         dt = dtype or tensor.dtype
         view = memoryview(out)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")  # a C-contiguous array of any shape, as flat bytes
-        want = tensor.numel * itemsize(dt)
+        want = region.numel * itemsize(dt)
         if len(view) != want:
             raise RavexError(f"tensor '{_shown_name(tensor.name)}': {len(view)} bytes to restore into, {want} needed")  # Ravex's own bug
         if want:
-            job.add(tensor, [Target(job.target(view), 0, flat_all(tensor), dt)])
+            job.add(tensor, [Target(job.target(view), 0, region, dt)])
     job.run(sync=False, threads=threads, writeback=False)
 
 

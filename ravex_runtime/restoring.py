@@ -15,6 +15,7 @@ should putting it back fail too, :class:`ResumeError` stops the run.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import random
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from ravex_convert.errors import CorruptCheckpointError, LayoutMismatchError, Ra
 from ravex_convert.model import MODEL, OBJ, OPTIM, Checkpoint
 
 from .errors import ResumeError
+from .foreign import ORIGIN_KEY, Foreign, adapt, is_foreign, open_foreign
 from .loading import load_checkpoint, load_torch_save, torch_save_files
 from .sampler import LoaderState, generators_of
 from .state import Tracked, is_fsdp1, restore_rng, unflatten
@@ -589,6 +591,10 @@ class Resume:
         self.unrestorable: list[int] = []
         self.failures: list[str] = []
         self._candidates: Iterator[tuple[int | None, str, _Found]] = iter(())
+        # resume_from names a checkpoint another program wrote: read into the live layout at restore
+        self.foreign: Foreign | None = None
+        # where the run came from, when it began from a foreign checkpoint (kept in every checkpoint it writes)
+        self.origin: dict[str, Any] | None = None
 
     def restore(self, live: Tracked, rank: int | None = None) -> int | None:
         """Put ``pending`` into ``live``, all or nothing; one that does not fit is reported and the one
@@ -598,13 +604,17 @@ class Resume:
         while self.pending is not None:
             ckpt, tensors = self.pending
             try:
-                if rank is not None:
+                if self.foreign is not None:
+                    ckpt, tensors = adapt(self.foreign, live, rank or 0)
+                elif rank is not None:
                     ckpt = for_rank(ckpt, rank, None)
-                step = restore_into(live, ckpt, tensors, weights_only=False, where=self.label)
+                step = restore_into(live, ckpt, tensors, weights_only=bool(ckpt.source.get("weights_only")), where=self.label)
             except ResumeError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - whatever the reason, nothing was restored: try the one before
+            except Exception as exc:  # whatever the reason, nothing was restored: try the one before (foreign: stop)
                 why = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
+                if self.foreign is not None:
+                    raise self._foreign_failed(why, exc) from exc
                 log.error("ravex: %s cannot be restored into this run: %s", self.label, why)
                 self.skipped(self.store, self.index, why if why.startswith(self.label) else f"{self.label}: {why}")
                 self.pending = None
@@ -612,6 +622,7 @@ class Resume:
                 self.pending = self._next()
                 continue
             self.pending = None  # restored: its tensors are no longer needed
+            self._restored(ckpt)
             if self.unrestorable:
                 log.warning("ravex: resumed from %s, not from the newest checkpoint: %s could not be used (see above)", self.label,
                             ", ".join(str(i) for i in self.unrestorable))
@@ -631,7 +642,7 @@ class Resume:
                 self.pending = None
                 return None
             index, label, step = named
-            if coord.rank != 0 and not shared:
+            if coord.rank != 0 and not shared and self.foreign is None:
                 # A store of its own (another machine): a checkpoint there with the same index may be
                 # another run's; the state comes from rank 0's.
                 self.pending = None
@@ -644,6 +655,9 @@ class Resume:
                 if self.pending is not None and self.pending[0].step != step:
                     self.pending = None
             have = coord.all_gather(self.pending is not None)
+            if not all(have) and self.foreign is not None:
+                raise ResumeError(f"{label}: rank(s) {[r for r, h in enumerate(have) if not h]} cannot read it",
+                                  hint="put the checkpoint resume_from names where every rank reads it (the same path on each machine)")
             if not all(have):
                 # Storage that not every rank sees: rank 0 sends what it loaded.
                 ours = self.pending if coord.rank == 0 else None
@@ -654,11 +668,15 @@ class Resume:
             self.index, self.label = index, label
             assert self.pending is not None
             ckpt, tensors = self.pending
-            mine = for_rank(ckpt, coord.rank, coord.size)
+            mine = ckpt
             err: str | None = None
             p: _Plan | None = None
             try:
-                p = plan(live, mine, tensors, False, label)
+                if self.foreign is not None:
+                    mine, tensors = adapt(self.foreign, live, coord.rank)
+                else:
+                    mine = for_rank(ckpt, coord.rank, coord.size)
+                p = plan(live, mine, tensors, bool(mine.source.get("weights_only")), label)
             except Exception as exc:  # noqa: BLE001 - reported to every rank: nobody restores it
                 err = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
             errs = coord.all_gather(err)
@@ -677,8 +695,12 @@ class Resume:
                                       "hold one state, so the run stops before its first step",
                                       hint="start the job again; if it fails the same way, " + _SAME_RUN, path=self.store)
                 self.pending = None
-                return restored if restored is not None else int(ckpt.step or 0)
+                self._restored(mine)
+                return restored if restored is not None else int(mine.step or 0)
             why = "; ".join(f"rank {r}: {e}" for r, e in bad[:3])
+            if self.foreign is not None:
+                same = len({e for _, e in bad}) == 1
+                raise self._foreign_failed(bad[0][1] if same else why, None)
             log.error("ravex: %s cannot be restored into this run: %s", label, why)
             self.skipped(self.store, index, f"{label}: {why}")
             del ckpt, tensors, mine, p
@@ -699,8 +721,10 @@ class Resume:
         """The checkpoint named by ``src`` (an index of the store, a store, a checkpoint directory, a ``.pt``
         file: what ``resume_from`` names), or with None the newest complete one; None when the store has
         none. Damaged ones are skipped (newest first); the older ones are kept to fall back on."""
-        self._candidates, self.failures = iter(()), []
+        self._candidates, self.failures, self.foreign = iter(()), [], None
         source = self.source
+        if isinstance(src, str) and is_foreign(src):
+            return self._foreign_start(src)
         if isinstance(src, str) and src.endswith(".pt"):
             return self._only(None, f"checkpoint {src}", load_torch_save(Path(src)))
         if isinstance(src, int) and self.backend == "torch_save":
@@ -729,6 +753,48 @@ class Resume:
             return None
         self._candidates = self._native_candidates(self.store)
         return self._next(first=True)
+
+    def _foreign_start(self, src: str) -> _Found | None:
+        """``resume_from`` names another program's checkpoint: it is the start, unless the store
+        already holds checkpoints of the run that began from it (a restart after a kill), which
+        then go on from the store's newest."""
+        f = open_foreign(src)
+        if self.backend == "torch_save":
+            own = self._torch_save_candidates()
+        elif (self.store / "ravex-store.json").is_file():
+            own = self._native_candidates(self.store)
+        else:
+            own = iter(())
+        first = next(own, None)
+        if first is None and self.failures:
+            self._next()  # the store's checkpoints are all damaged: raises, never starts over
+        if first is not None:
+            extra = first[2][0].objects.get("extra")
+            origin = extra.get(ORIGIN_KEY) if isinstance(extra, dict) else None
+            if not (isinstance(origin, dict) and origin.get("path") == str(f.path)):
+                raise ResumeError(f"{self.store} already holds checkpoints of a run that did not begin from {f.label}, which "
+                                  f"resume_from names (in {self.source})",
+                                  hint="give this run its own storage.path (an empty directory), or remove resume_from to continue "
+                                       "the store's own run", path=self.store)
+            log.warning("ravex: the store already holds checkpoints of the run that began from %s: it goes on from the store's newest", f.label)
+            self._candidates = itertools.chain([first], own)
+            return self._next(first=True)
+        self.foreign = f
+        return self._only(None, f.label, (f.ckpt, {}))
+
+    def _foreign_failed(self, why: str, exc: BaseException | None) -> ResumeError:
+        hint = exc.hint if isinstance(exc, RavexError) and exc.hint else "resume with the model, optimizer and schedulers the saved run built"
+        return ResumeError(f"{self.label} cannot be resumed into this run: {why.removeprefix(self.label + ': ')}", hint=hint,
+                           path=self.foreign.path if self.foreign is not None else None)
+
+    def _restored(self, ckpt: Checkpoint) -> None:
+        """Remember where the run began: the foreign checkpoint, or what the restored one says."""
+        if self.foreign is not None:
+            self.origin = self.foreign.origin()
+            return
+        extra = ckpt.objects.get("extra")
+        origin = extra.get(ORIGIN_KEY) if isinstance(extra, dict) else None
+        self.origin = origin if isinstance(origin, dict) else None
 
     def _only(self, index: int | None, label: str, found: _Found) -> _Found:
         """A checkpoint the configuration (or the caller) names: nothing to fall back on."""

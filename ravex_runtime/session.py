@@ -569,7 +569,7 @@ class Session:
         with self._spare_lock:
             spare, self._spare = self._spare, {}
         if not self.join():
-            return capture(t, step, spare, {"ravex_run_id": self.run_id})
+            return capture(t, step, spare, self._extra())
         return self._capture_ranks(t, step, spare)
 
     def _capture_ranks(self, t: Tracked, step: int, spare: dict[str, torch.Tensor]) -> Snapshot:
@@ -597,7 +597,7 @@ class Session:
                             "Ravex too), so the weights can differ in the last bit from there on. For bit-identical resumes pass "
                             "find_unused_parameters=True to DistributedDataParallel: it keeps one bucket layout", self.world_size)
         try:
-            snap = capture(t, step, spare, {"ravex_run_id": self.run_id}, keep=self.rank == 0, rank_part=self.rank, local_shards=per_rank)
+            snap = capture(t, step, spare, self._extra(), keep=self.rank == 0, rank_part=self.rank, local_shards=per_rank)
         except Exception as exc:  # this rank still takes part in the exchanges below, which refuse the step on every rank
             # (a failure inside one of the gathers above leaves the group broken: torch reports that itself)
             from .state import Snapshot
@@ -801,6 +801,16 @@ class Session:
             for i in list(files)[:-self.config.keep_last]:
                 if i != self.resumed_index:
                     files[i].unlink()
+
+    def _extra(self) -> dict[str, Any]:
+        """What every checkpoint keeps under ``extra``: the run's id, and where the run began when that
+        was another program's checkpoint (resume_from)."""
+        from .foreign import ORIGIN_KEY
+
+        extra: dict[str, Any] = {"ravex_run_id": self.run_id}
+        if self._resume.origin is not None:
+            extra[ORIGIN_KEY] = dict(self._resume.origin)
+        return extra
 
     def _may_prune(self) -> bool:
         """keep_last is not applied in a run that skipped a checkpoint of its store it could not read or

@@ -1,0 +1,153 @@
+"""The training script of integration/test_foreign_resume.py: the fixtures' model (fixtures/model.py:
+TinyLM, AdamW in two parameter groups, LambdaLR warm-up) in plain PyTorch, decorated, with no
+loading code of its own. Where it starts from is Ravex's business (``RAVEX_RESUME_FROM``).
+
+    python foreign_train.py OPTS_JSON                 # one process
+    torchrun --nproc_per_node N foreign_train.py OPTS_JSON
+
+Options (JSON): ``tag``; ``wrap``: none, ddp or fsdp2; ``precision``: fp32, bf16 (the model's
+parameters in bf16) or bf16-mixed (FSDP2 keeps fp32 parameters and computes in bf16);
+``steps``: the global step to stop at; ``noise``: the dataset draws from torch's random stream
+at every read (the kill-and-resume case; the DeepSpeed comparison has none: DeepSpeed saves no
+random state to continue).
+
+The data: item i is row i % 6 of ``global_batch(i // 6)``, the batch the fixtures' runs trained
+on at step i // 6; a DistributedSampler (no shuffle) deals it to the ranks, 6 / N rows each, so
+every step's global batch is the fixtures' one at any world size.
+
+Each rank appends one JSON line per optimizer step to ``log-<tag>-rank<r>.jsonl``: the step
+(Ravex's count before it), the loss averaged over the ranks (and its ``float.hex()``), each
+group's lr used, the Adam step counter of ``embed.weight`` after it, and the samples. Rank 0
+writes ``out-<tag>.json`` at the end: the full weights' sha256 and the step.
+
+``KILL_AT_STEP=k``: every rank, after logging step k, waits for its checkpoints and SIGKILLs
+itself (rank 0 first: torchrun tears the others down).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+
+import model as M  # noqa: E402 - the fixtures' own model, data and optimizer settings
+
+import ravex  # noqa: E402
+
+KILL_AT = int(os.environ.get("KILL_AT_STEP", "0"))
+
+
+class Rows(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    def __init__(self, steps: int, noise: bool):
+        self.steps, self.noise = steps, noise
+
+    def __len__(self) -> int:
+        return self.steps * M.GLOBAL_BATCH
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        x, y = M.global_batch(i // M.GLOBAL_BATCH)
+        x, y = x[i % M.GLOBAL_BATCH].clone(), y[i % M.GLOBAL_BATCH]
+        if self.noise:
+            x[int(torch.randint(0, M.SEQ, ()))] = int(torch.randint(0, M.VOCAB, ()))
+        return x, y, i
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    out = {}
+    for name, t in inner.state_dict().items():
+        t = t.detach()
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous().clone()
+    return out
+
+
+def digest(weights: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(weights):
+        h.update(k.encode())
+        h.update(weights[k].reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@ravex.train_loop(preemption_handler=True)
+def train(opts: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    distributed = opts["wrap"] != "none"
+    if distributed:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, ws = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    model: torch.nn.Module = M.build_model()
+    if opts.get("precision") == "bf16":
+        model = model.to(torch.bfloat16)
+    if opts["wrap"] == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif opts["wrap"] == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (ws,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.get("precision") == "bf16-mixed" else MixedPrecisionPolicy()
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    opt = M.make_optimizer(inner)
+    sched = M.make_scheduler(opt)
+    torch.manual_seed(1000 + rank)  # the noise: each rank's own stream
+
+    ds = Rows(int(opts["steps"]) + 2, bool(opts.get("noise")))
+    sampler = torch.utils.data.distributed.DistributedSampler(ds, shuffle=False) if distributed else None
+    loader = torch.utils.data.DataLoader(ds, batch_size=M.GLOBAL_BATCH // ws, sampler=sampler, shuffle=False)
+    embed = dict(inner.named_parameters())["embed.weight"]
+    steps = int(opts["steps"])
+    with open(f"log-{opts['tag']}-rank{rank}.jsonl", "a") as log:
+        for epoch in range(10):
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            for x, y, idx in loader:
+                s = ravex.step()
+                if s >= steps:
+                    break
+                lrs = [g["lr"] for g in opt.param_groups]
+                loss = M.loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                mean = loss.detach().float().clone()
+                if distributed:
+                    dist.all_reduce(mean)
+                mean = mean / ws
+                adam = opt.state[embed]["step"]
+                log.write(json.dumps({"step": s, "loss": mean.item(), "hex": mean.item().hex(), "lrs": lrs,
+                                      "adam_step": float(adam.full_tensor() if hasattr(adam, "full_tensor") else adam),
+                                      "samples": idx.tolist()}) + "\n")
+                log.flush()
+                if KILL_AT and s == KILL_AT:
+                    ravex.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            else:
+                continue
+            break
+    weights = full_weights(model)
+    if rank == 0:
+        with open(f"out-{opts['tag']}.json", "w") as f:
+            json.dump({"weights": digest(weights), "step": ravex.step()}, f)
+
+
+if __name__ == "__main__":
+    train(json.loads(sys.argv[1]))
+    if dist.is_initialized():
+        dist.destroy_process_group()
