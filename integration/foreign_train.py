@@ -40,9 +40,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 
-import model as M  # noqa: E402 - the fixtures' own model, data and optimizer settings
+import model as M
 
-import ravex  # noqa: E402
+import ravex
 
 KILL_AT = int(os.environ.get("KILL_AT_STEP", "0"))
 

@@ -155,10 +155,15 @@ def _name_map(f: Foreign, saved: list[str], live: list[str]) -> dict[str, str]:
     missing = sorted(set(live) - want)
     extra = sorted(want - set(live))
     hint = "build the model the saved run trained (the same modules and names)"
-    pc, plv = _common_prefix(saved), _common_prefix(live)
-    if pc != plv and (pc in _PREFIXES or plv in _PREFIXES):
-        hint = (f"the checkpoint's names start with '{pc or '(nothing)'}' and the model's with '{plv or '(nothing)'}'; Ravex matches "
-                "names that differ by such a wrapper prefix alone, but these differ by more: " + hint)
+    for p in _PREFIXES:
+        for side, names, other in (("model's", live, want), ("checkpoint's", saved, set(live))):
+            if sum(1 for n in names if n.startswith(p) and n[len(p):] in other) * 2 > len(other):
+                hint = (f"most of the {side} names start with '{p}' and match the other side's without it; Ravex matches names "
+                        "that differ by such a wrapper prefix alone, but these differ by more: " + hint)
+                break
+        else:
+            continue
+        break
     what = []
     if missing:
         what.append(f"{len(missing)} of the model's tensors are not in it ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})")
