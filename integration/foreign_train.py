@@ -20,6 +20,10 @@ Each rank appends one JSON line per optimizer step to ``log-<tag>-rank<r>.jsonl`
 group's lr used, the Adam step counter of ``embed.weight`` after it, and the samples. Rank 0
 writes ``out-<tag>.json`` at the end: the full weights' sha256 and the step.
 
+``one_group``: the optimizer has one parameter group (the saved runs had two).
+``dump``: at the first iteration, rank 0 writes ``restored-<tag>.safetensors``, the restored
+weights and Adam moments, whole (see :func:`dump`).
+
 ``KILL_AT_STEP=k``: every rank, after logging step k, waits for its checkpoints and SIGKILLs
 itself (rank 0 first: torchrun tears the others down).
 """
@@ -81,6 +85,25 @@ def digest(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def dump(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, path: str) -> None:
+    """The state as restored, whole (gathered from the shards: every rank calls this): rank 0 saves
+    ``model/<name>`` and ``optim/<state>/<name>``, the true_state.safetensors naming."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous().clone()
+
+    out = {f"model/{k}": whole(v) for k, v in full_weights(model).items()}
+    for name, p in model.named_parameters():
+        for k, v in opt.state.get(p, {}).items():
+            if k in ("exp_avg", "exp_avg_sq"):
+                out[f"optim/{k}/{name}"] = whole(v)
+    if rank == 0:
+        out = {k: v.clone() for k, v in out.items()}  # no shared storage (the tied head)
+        save_file(out, path)
+
+
 @ravex.train_loop(preemption_handler=True)
 def train(opts: dict[str, Any]) -> None:
     torch.set_num_threads(1)
@@ -103,7 +126,10 @@ def train(opts: dict[str, Any]) -> None:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    opt = M.make_optimizer(inner)
+    if opts.get("one_group"):  # not the saved run's parameter groups: the resume must refuse it
+        opt = torch.optim.AdamW([p for p in inner.parameters() if p.requires_grad], lr=M.DECAY_LR, foreach=False)
+    else:
+        opt = M.make_optimizer(inner)
     sched = M.make_scheduler(opt)
     torch.manual_seed(1000 + rank)  # the noise: each rank's own stream
 
@@ -112,12 +138,16 @@ def train(opts: dict[str, Any]) -> None:
     loader = torch.utils.data.DataLoader(ds, batch_size=M.GLOBAL_BATCH // ws, sampler=sampler, shuffle=False)
     embed = dict(inner.named_parameters())["embed.weight"]
     steps = int(opts["steps"])
+    first = True
     with open(f"log-{opts['tag']}-rank{rank}.jsonl", "a") as log:
         for epoch in range(10):
             if sampler is not None:
                 sampler.set_epoch(epoch)
             for x, y, idx in loader:
                 s = ravex.step()
+                if opts.get("dump") and first:
+                    dump(inner, opt, rank, f"restored-{opts['tag']}.safetensors")
+                first = False
                 if s >= steps:
                     break
                 lrs = [g["lr"] for g in opt.param_groups]
