@@ -499,9 +499,10 @@ def tables(res: dict, s: dict) -> list[str]:
         for rk, m in d["mem"].items():
             rows.append([label, str(rk), mib(m["rss_before"]), mib(m["hwm_during"]) if m["reset"] else "— (no reset)",
                          f"{(m['hwm_during'] - m['rss_before']) / 1024:+,.0f} MiB" if m["reset"] else "—", mib(m["rss_after"]),
+                         f"{(m['hwm_during'] - m['rss_after']) / 1024:,.0f} MiB" if m["reset"] else "—",
                          mib(max(m["hwm_before"], m["hwm_during"])), mib(d["job_anon_kb"]) if rk == 0 else ""])
     out.append(R.md_table(["run", "rank", "RSS before the load", "peak RSS during the load", "peak − before", "RSS after",
-                           "process peak (VmHWM, whole run)", "job peak RssAnon (all processes)"], rows))
+                           "transient (peak − after)", "process peak (VmHWM, whole run)", "job peak RssAnon (all processes)"], rows))
     if ds and on:
         out += [""] + [f"- rank {rk}: peak during the load, Ravex / DeepSpeed = {mib(on['mem'][rk]['hwm_during'])} / "
                        f"{mib(ds['mem'][rk]['hwm_during'])} = **{on['mem'][rk]['hwm_during'] / ds['mem'][rk]['hwm_during']:.2f}x**; "
@@ -593,6 +594,22 @@ def auto_observations(s: dict, res: dict) -> list[str]:
         peaks = [(on["mem"][rk]["hwm_during"], ds["mem"][rk]["hwm_during"]) for rk in range(MC.WORLD_SIZE)]
         obs.append("**Peak memory during the load**, per rank: Ravex " + ", ".join(mib(p) for p, _ in peaks) + " against DeepSpeed "
                    + ", ".join(mib(q) for _, q in peaks) + f" ({', '.join(f'{p / q:.2f}x' for p, q in peaks)}).")
+        m0, d0 = on["mem"][0], ds["mem"][0]
+        obs.append(f"Where the memory goes (rank 0): DeepSpeed holds {mib(d0['rss_before'])} before its load (`initialize` has already "
+                   f"allocated its partitions and the optimizer's), grows by {(d0['rss_after'] - d0['rss_before']) / 1024:+,.0f} MiB and "
+                   f"peaks {(d0['hwm_during'] - d0['rss_after']) / 1024:,.0f} MiB above where it ends. The FSDP2 script holds "
+                   f"{mib(m0['rss_before'])} before (the `to_empty` shards are allocated but not yet touched, and AdamW has no state "
+                   f"before its first step), grows by {(m0['rss_after'] - m0['rss_before']) / 1024:+,.0f} MiB (its shards written, "
+                   f"both moments created) and peaks {(m0['hwm_during'] - m0['rss_after']) / 1024:,.0f} MiB above where it ends: two copies "
+                   "of the rank's weight shards alive during the put-in (the buffers they are read into before `load_state_dict` "
+                   "copies them into the parameters, and the snapshot of the live weights kept to undo a failed restore); the moments "
+                   "are read into buffers the optimizer keeps.")
+        ph = {k: med(v) for k, v in on["phases"].items() if v}
+        if all(k in ph and not math.isnan(ph[k]) for k in ("start", "restore", "adapt", "apply_plan")):
+            obs.append(f"Ravex's time, by phase (slowest rank): its start {ph['start']:.2f} s (the checkpoint found and described, at the "
+                       f"decorator's entry); at the first `iter(loader)` the reads into the live layout (`adapt`) {ph['adapt']:.2f} s, "
+                       f"the put-in (`apply_plan`: snapshot, then `load_state_dict` of model and optimizer) {ph['apply_plan']:.2f} s, the rest "
+                       f"of `restore` (the checks, the ranks' agreement) {ph['restore'] - ph['adapt'] - ph['apply_plan'] - ph.get('plan', 0):.2f} s.")
     return obs
 
 
@@ -605,7 +622,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each side (default 3)")
     ap.add_argument("--checkpoint", help="use this ZeRO-3 checkpoint (made by `make_checkpoints.py zero3 DIR --gb G` with the same --gb) "
                                          "instead of making one; it is not deleted")
-    ap.add_argument("--max-idle-wait", type=float, default=5, help="before each run wait up to S s for idle CPUs")
+    ap.add_argument("--max-idle-wait", type=float, default=20, help="before each run wait up to S s for idle CPUs")
     ap.add_argument("--dir", help="work directory (default: a new temporary directory); removed at the end unless --keep")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--doc", default=DOC, help="the markdown report to write ('' for none)")

@@ -5,7 +5,7 @@ loading code of its own. Where it starts from is Ravex's business (``RAVEX_RESUM
     python foreign_train.py OPTS_JSON                 # one process
     torchrun --nproc_per_node N foreign_train.py OPTS_JSON
 
-Options (JSON): ``tag``; ``wrap``: none, ddp or fsdp2; ``precision``: fp32, bf16 (the model's
+Options (JSON): ``tag``; ``wrap``: none, ddp, fsdp2 (or fsdp1, which a foreign resume refuses); ``precision``: fp32, bf16 (the model's
 parameters in bf16) or bf16-mixed (FSDP2 keeps fp32 parameters and computes in bf16);
 ``steps``: the global step to stop at; ``noise``: the dataset draws from torch's random stream
 at every read (the kill-and-resume case; the DeepSpeed comparison has none: DeepSpeed saves no
@@ -116,6 +116,10 @@ def train(opts: dict[str, Any]) -> None:
         model = model.to(torch.bfloat16)
     if opts["wrap"] == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
+    elif opts["wrap"] == "fsdp1":  # refused by a foreign resume (the test checks the error)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
     elif opts["wrap"] == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -136,7 +140,7 @@ def train(opts: dict[str, Any]) -> None:
     ds = Rows(int(opts["steps"]) + 2, bool(opts.get("noise")))
     sampler = torch.utils.data.distributed.DistributedSampler(ds, shuffle=False) if distributed else None
     loader = torch.utils.data.DataLoader(ds, batch_size=M.GLOBAL_BATCH // ws, sampler=sampler, shuffle=False)
-    embed = dict(inner.named_parameters())["embed.weight"]
+    embed = next(p for n, p in inner.named_parameters() if n.split(".")[-2:] == ["embed", "weight"])
     steps = int(opts["steps"])
     first = True
     with open(f"log-{opts['tag']}-rank{rank}.jsonl", "a") as log:

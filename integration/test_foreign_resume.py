@@ -156,10 +156,13 @@ def test_a_kill_after_the_foreign_start_resumes_from_the_store(tmp_path: Path) -
     assert a == b and a["step"] == 10
 
 
-def test_a_mismatch_stops_every_rank_before_the_first_step(tmp_path: Path) -> None:
-    done = launch(tmp_path, "bad", "fsdp2", 2, {"steps": 6, "one_group": True},
-                  {"RAVEX_RESUME_FROM": str(DATA / "zero3_ws2_fp32" / "checkpoint")})
+@pytest.mark.parametrize(("wrap", "opts", "said"), [
+    ("fsdp2", {"one_group": True}, "holds 2 parameter groups, this run's optimizer (AdamW) 1"),
+    ("fsdp1", {}, "the model is wrapped in FSDP1"),
+], ids=["param-groups", "fsdp1"])
+def test_a_mismatch_stops_every_rank_before_the_first_step(tmp_path: Path, wrap: str, opts: dict[str, Any], said: str) -> None:
+    done = launch(tmp_path, "bad", wrap, 2, {"steps": 6, **opts}, {"RAVEX_RESUME_FROM": str(DATA / "zero3_ws2_fp32" / "checkpoint")})
     assert done.returncode != 0
-    assert "holds 2 parameter groups, this run's optimizer (AdamW) 1" in done.stderr, done.stderr[-4000:]
+    assert said in done.stderr, done.stderr[-4000:]
     assert lines(tmp_path, "bad", 0) == [] and lines(tmp_path, "bad", 1) == []
     assert not (tmp_path / "store-bad" / "checkpoints").exists() or not any((tmp_path / "store-bad" / "checkpoints").iterdir())

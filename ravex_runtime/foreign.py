@@ -32,7 +32,7 @@ import torch
 from ravex_convert.errors import LayoutMismatchError, RavexError
 from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint, LogicalTensor, Region
 
-from .state import Tracked, _is_dtensor, tensor_view
+from .state import Tracked, _is_dtensor, is_fsdp1, tensor_view
 
 __all__ = ["ORIGIN_KEY", "Foreign", "adapt", "is_foreign", "open_foreign"]
 
@@ -241,6 +241,10 @@ def adapt(f: Foreign, live: Tracked, rank: int) -> tuple[Checkpoint, dict[str, t
         raise _mismatch(f, f"this run built {len(live.models)} models; a checkpoint of another program holds one",
                         "resume a run with one model from it")
     model = live.models[0]
+    if is_fsdp1(model):
+        raise _mismatch(f, "the model is wrapped in FSDP1 (FullyShardedDataParallel), which a resume from another program's checkpoint "
+                           "does not take yet", "shard it with FSDP2's fully_shard, or convert the checkpoint first "
+                           "(ravex convert SRC OUT --to dcp) and load that with torch's dcp.load")
     reads = _Reads(f)
     tensors: dict[str, torch.Tensor] = {}
     live_sd = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
