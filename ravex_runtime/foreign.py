@@ -16,13 +16,16 @@ runtime's own form, fitted to the live objects:
 - the first DataLoader skips the samples the saved run trained on (DeepSpeed's ``global_samples``;
   else the step count times this run's global batch).
 
-What comes out is checked and put in by :mod:`.restoring` like one of Ravex's own checkpoints, all
-or nothing. Every mismatch raises before anything is touched, naming the tensor or the group.
+What comes out is checked by :mod:`.restoring` like one of Ravex's own checkpoints. Every mismatch
+raises before anything is touched, naming the tensor or the group; only then are the bytes read,
+the weights straight into the live parameters. There is nothing to fall back on (the run stops
+when a foreign checkpoint cannot be put in), so no copy of the live state is kept to undo it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,7 @@ from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint, LogicalTensor, Re
 
 from .state import Tracked, _is_dtensor, is_fsdp1, tensor_view
 
-__all__ = ["ORIGIN_KEY", "Foreign", "adapt", "is_foreign", "open_foreign"]
+__all__ = ["ORIGIN_KEY", "Adapted", "Foreign", "adapt", "is_foreign", "open_foreign"]
 
 log = logging.getLogger("ravex")
 
@@ -80,8 +83,10 @@ def is_foreign(src: str) -> bool:
     return not (p.is_file() and TS_FILE.fullmatch(p.name) is not None)
 
 
-def open_foreign(src: str) -> Foreign:
-    """Detect and describe ``src`` (errors name the path and what Ravex reads)."""
+def open_foreign(src: str, share: tuple[int, int] | None = None) -> Foreign:
+    """Detect and describe ``src`` (errors name the path and what Ravex reads). ``share``: (rank,
+    world size) of a job whose every rank opens it: each checks the CRC-32s of its share of a
+    DeepSpeed checkpoint's storages (every one is checked, once)."""
     from ravex_convert.detect import detect
     from ravex_convert.formats import registry
 
@@ -89,6 +94,10 @@ def open_foreign(src: str) -> Foreign:
     if d.format == "native":
         raise RavexError(f"resume_from {src}: a Ravex store's file, not the store", hint="point resume_from at the store directory", path=d.path)
     fmt = registry.get(d.format)
+    if d.format == "zero" and share is not None:
+        from ravex_convert.formats import zero
+
+        return Foreign(d.path, d.format, zero.read(d.path, crc_share=share))
     return Foreign(d.path, d.format, fmt.read(d.path))
 
 
@@ -176,17 +185,21 @@ def _name_map(f: Foreign, saved: list[str], live: list[str]) -> dict[str, str]:
 
 
 class _Reads:
-    """The tensors to read, each into a buffer shaped like its live counterpart's part on this rank:
-    one job for all of them."""
+    """The tensors to read, each laid out as its live counterpart on this rank: one job for all of
+    them, run by :meth:`run` once everything is checked. A model tensor is read straight into the
+    live one's memory where it can be (nothing else holds a second copy of the weights)."""
 
     def __init__(self, f: Foreign):
         self.f = f
         self.items: list[tuple[LogicalTensor, Region, bytearray | memoryview, str | None]] = []
         self.cast: list[str] = []
+        self._into: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # live memory already read into (a tied tensor's second name)
 
-    def like(self, t: LogicalTensor, live: torch.Tensor, what: str) -> torch.Tensor:
+    def like(self, t: LogicalTensor, live: torch.Tensor, what: str, *, into_live: bool = False) -> torch.Tensor:
         """A tensor for ``t`` laid out as ``live``: its local shard (a DTensor) where ``live`` is an
-        FSDP2 shard of a plain Shard/Replicate mesh, else the whole tensor, in ``live``'s dtype."""
+        FSDP2 shard of a plain Shard/Replicate mesh, else the whole tensor, in ``live``'s dtype.
+        ``into_live``: ``live``'s own memory, where it is a contiguous CPU tensor (then ``live`` is
+        returned)."""
         if tuple(t.shape) != tuple(live.shape):
             raise _mismatch(self.f, f"{what} is {list(t.shape)} {t.dtype} in the checkpoint, {list(live.shape)} {_dtype(live.dtype)} in this run",
                             "build the model (and its optimizer) with the shapes the saved run had")
@@ -196,20 +209,33 @@ class _Reads:
                 raise _mismatch(self.f, f"{what} is {t.dtype} in the checkpoint and {dtype} in this run",
                                 "give the tensor the dtype the saved run had")
             self.cast.append(f"{what} {t.dtype} -> {dtype}")
-        if _is_dtensor(live):
+        on_cpu = live.device.type == "cpu"
+        if _is_dtensor(live) and on_cpu:
             from torch.distributed.tensor import DTensor, Replicate, Shard
-
-            d: Any = live
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+            d: Any = live
             if all(type(p) in (Shard, Replicate) for p in d.placements):
                 shape, offset = compute_local_shape_and_global_offset(d.shape, d.device_mesh, d.placements)
+                region = Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
+                mine: torch.Tensor = d._local_tensor
+                if into_live and tuple(mine.shape) == tuple(shape) and mine.is_contiguous():
+                    return self._into_live(t, region, mine, dtype, live)
                 local = torch.empty(tuple(shape), dtype=live.dtype)
-                self._add(t, Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape)), local, dtype)
+                self._add(t, region, local, dtype)
                 return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
-        whole = torch.empty(tuple(t.shape), dtype=live.dtype)
+        if into_live and on_cpu and not _is_dtensor(live) and live.is_contiguous():
+            return self._into_live(t, t.whole(), live, dtype, live)
+        whole = torch.empty(tuple(t.shape), dtype=live.dtype)  # on the CPU: the restore moves it where the live one is
         self._add(t, t.whole(), whole, dtype)
         return whole
+
+    def _into_live(self, t: LogicalTensor, region: Region, memory: torch.Tensor, dtype: str, live: torch.Tensor) -> torch.Tensor:
+        key = (memory.data_ptr(), tuple(memory.shape))
+        if key not in self._into:
+            self._into[key] = live
+            self._add(t, region, memory, dtype)
+        return live
 
     def as_saved(self, t: LogicalTensor) -> torch.Tensor:
         whole = torch.empty(tuple(t.shape), dtype=getattr(torch, t.dtype))
@@ -227,10 +253,20 @@ class _Reads:
         self.items = []
 
 
+@dataclass
+class Adapted:
+    """A foreign checkpoint fitted to the live objects. ``tensors`` hold no bytes until ``fill()``
+    (some of them are the live tensors themselves): call it once the plan is checked."""
+
+    ckpt: Checkpoint
+    tensors: dict[str, torch.Tensor]
+    fill: Callable[[], None]
+
+
 # ---------------------------------------------------------------- adapt
 
 
-def adapt(f: Foreign, live: Tracked, rank: int) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
+def adapt(f: Foreign, live: Tracked, rank: int) -> Adapted:
     """``f`` in the runtime's form, fitted to ``live`` (this rank's part of each sharded tensor read,
     nothing else): what :func:`.restoring.plan` checks and puts in. Raises
     :class:`LayoutMismatchError` for anything that does not fit, before anything is read."""
@@ -252,10 +288,9 @@ def adapt(f: Foreign, live: Tracked, rank: int) -> tuple[Checkpoint, dict[str, t
     tied = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
     names = name_map(f, ckpt.model_names(), list(live_sd), {n: t for n, t in tied.items() if n != t and n in live_sd})
     for k, v in live_sd.items():
-        tensors[MODEL + k] = reads.like(ckpt.resolve(MODEL + names[k]), v, f"tensor '{k}'")
+        tensors[MODEL + k] = reads.like(ckpt.resolve(MODEL + names[k]), v, f"tensor '{k}'", into_live=True)
     objs: dict[str, Any] = {}
     _optimizer(f, live, names, reads, tensors, objs)
-    reads.run()
     if reads.cast and rank == 0:
         log.warning("ravex: %d tensors of %s are cast to this run's dtype (e.g. %s)", len(reads.cast), f.label, reads.cast[0])
     step = ckpt.step if isinstance(ckpt.step, int) and not isinstance(ckpt.step, bool) else None
@@ -267,7 +302,7 @@ def adapt(f: Foreign, live: Tracked, rank: int) -> tuple[Checkpoint, dict[str, t
         objs["grad_scaler" if i == 0 else f"grad_scaler.{i}"] = sc.state_dict()
     out = Checkpoint(f"foreign:{f.format}", f.path, world_size=ckpt.world_size, step=step if objs else None, objects=objs,
                      source={"weights_only": not objs})
-    return out, tensors
+    return Adapted(out, tensors, reads.run)
 
 
 def _optimizer(f: Foreign, live: Tracked, names: dict[str, str], reads: _Reads, tensors: dict[str, torch.Tensor], objs: dict[str, Any]) -> None:

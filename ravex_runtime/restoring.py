@@ -29,7 +29,7 @@ from ravex_convert.errors import CorruptCheckpointError, LayoutMismatchError, Ra
 from ravex_convert.model import MODEL, OBJ, OPTIM, Checkpoint
 
 from .errors import ResumeError
-from .foreign import ORIGIN_KEY, Foreign, adapt, is_foreign, open_foreign
+from .foreign import ORIGIN_KEY, Adapted, Foreign, adapt, is_foreign, open_foreign
 from .loading import load_checkpoint, load_torch_save, torch_save_files
 from .sampler import LoaderState, generators_of
 from .state import Tracked, is_fsdp1, restore_rng, unflatten
@@ -547,15 +547,24 @@ def restore_into(live: Tracked, ckpt: Checkpoint, tensors: dict[str, torch.Tenso
     return apply_plan(plan(live, ckpt, tensors, weights_only, where), where)
 
 
-def apply_plan(p: _Plan, where: str) -> int | None:
-    """Put a checked plan into the live objects (see :func:`restore_into`)."""
+def apply_plan(p: _Plan, where: str, undo: bool = True) -> int | None:
+    """Put a checked plan into the live objects (see :func:`restore_into`). Without ``undo`` (a
+    checkpoint with nothing to fall back on), no copy of the live state is kept: a failure midway
+    raises :class:`ResumeError`."""
     _localize(p)
-    undo = _snapshot(p)
+    if not undo:
+        try:
+            _apply(p)
+        except Exception as exc:
+            raise ResumeError(f"{where}: restoring failed midway ({type(exc).__name__}: {exc}); the live objects hold part of the "
+                              "checkpoint, so the run stops", hint="start the script again; if it fails the same way, " + _SAME_RUN) from exc
+        return p.step
+    undo_all = _snapshot(p)
     try:
         _apply(p)
     except Exception as exc:
         try:
-            for back in undo:
+            for back in undo_all:
                 back()
         except Exception as again:  # noqa: BLE001 - any failure here leaves the objects half-restored
             raise ResumeError(f"{where}: restoring failed midway ({type(exc).__name__}: {exc}) and the live objects could not be put back "
@@ -595,6 +604,7 @@ class Resume:
         self.foreign: Foreign | None = None
         # where the run came from, when it began from a foreign checkpoint (kept in every checkpoint it writes)
         self.origin: dict[str, Any] | None = None
+        self.share: tuple[int, int] | None = None  # (rank, world size): the checksums this rank checks, of a foreign one
 
     def restore(self, live: Tracked, rank: int | None = None) -> int | None:
         """Put ``pending`` into ``live``, all or nothing; one that does not fit is reported and the one
@@ -605,10 +615,15 @@ class Resume:
             ckpt, tensors = self.pending
             try:
                 if self.foreign is not None:
-                    ckpt, tensors = adapt(self.foreign, live, rank or 0)
-                elif rank is not None:
-                    ckpt = for_rank(ckpt, rank, None)
-                step = restore_into(live, ckpt, tensors, weights_only=bool(ckpt.source.get("weights_only")), where=self.label)
+                    fitted = adapt(self.foreign, live, rank or 0)
+                    ckpt, tensors = fitted.ckpt, fitted.tensors
+                    p = plan(live, ckpt, tensors, bool(ckpt.source.get("weights_only")), self.label)
+                    fitted.fill()
+                    step = apply_plan(p, self.label, undo=False)
+                else:
+                    if rank is not None:
+                        ckpt = for_rank(ckpt, rank, None)
+                    step = restore_into(live, ckpt, tensors, weights_only=False, where=self.label)
             except ResumeError:
                 raise
             except Exception as exc:  # whatever the reason, nothing was restored: try the one before (foreign: stop)
@@ -671,9 +686,11 @@ class Resume:
             mine = ckpt
             err: str | None = None
             p: _Plan | None = None
+            fitted: Adapted | None = None
             try:
                 if self.foreign is not None:
-                    mine, tensors = adapt(self.foreign, live, coord.rank)
+                    fitted = adapt(self.foreign, live, coord.rank)
+                    mine, tensors = fitted.ckpt, fitted.tensors
                 else:
                     mine = for_rank(ckpt, coord.rank, coord.size)
                 p = plan(live, mine, tensors, bool(mine.source.get("weights_only")), label)
@@ -685,7 +702,9 @@ class Resume:
                 assert p is not None
                 failure: str | None = None
                 try:
-                    restored = apply_plan(p, label)
+                    if fitted is not None:
+                        fitted.fill()
+                    restored = apply_plan(p, label, undo=fitted is None)
                 except Exception as exc:  # noqa: BLE001 - told to every rank below
                     failure = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
                 failures = [(r, f) for r, f in enumerate(coord.all_gather(failure)) if f is not None]
@@ -758,7 +777,7 @@ class Resume:
         """``resume_from`` names another program's checkpoint: it is the start, unless the store
         already holds checkpoints of the run that began from it (a restart after a kill), which
         then go on from the store's newest."""
-        f = open_foreign(src)
+        f = open_foreign(src, self.share)
         if self.backend == "torch_save":
             own = self._torch_save_candidates()
         elif (self.store / "ravex-store.json").is_file():

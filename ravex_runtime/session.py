@@ -264,6 +264,8 @@ class Session:
         from .restoring import Resume
 
         self._resume = Resume(self.path, cfg.backend, cfg.source)
+        # every rank reads a foreign checkpoint: each checks the checksums of its share of it
+        self._resume.share = (self.rank, self.world_size) if self.world_size > 1 else None
         self._prepared = False
         self._warned_prune = False
         # The writer: one snapshot queued while one is written; buffers of the last snapshot written,

@@ -323,3 +323,39 @@ def test_read_parts_reads_a_box_of_a_zero_partition() -> None:
     read_parts([(t, t.whole(), whole.view(torch.uint8).numpy().data, None), (t, Box((15, 0), (11, 13)), part.view(torch.uint8).numpy().data, None)])
     assert torch.equal(part, whole[15:26])
     assert torch.equal(whole, true_state("zero3_ws2_fp32")["model/blocks.0.fc1.weight"])
+
+
+def test_each_rank_checks_its_share_of_the_checksums(tmp_path: Path) -> None:
+    """Under torchrun every rank reads the DeepSpeed checkpoint and checks the CRC-32s of every n-th
+    storage: a flipped bit in any storage is found by exactly one of them."""
+    import shutil
+
+    from ravex_convert._torchzip import open_archive
+    from ravex_convert.errors import CorruptCheckpointError
+    from ravex_convert.formats import zero
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(ckpt("zero3_ws2_fp32"), root)
+    files = sorted((root / "global_step3").glob("*_optim_states.pt"))
+    for r in range(2):  # no damage: no share fails
+        zero.read(root, crc_share=(r, 2))
+    for f in files:
+        archive = open_archive(f)
+        # the two largest storages of each rank's file: its flat partitions (weights, moments)
+        for key in sorted(archive.storage_sizes, key=lambda k: -archive.storage_sizes[k])[:2]:
+            off = archive.storage_offsets[key] + 3
+            data = bytearray(f.read_bytes())
+            data[off] ^= 0x10
+            f.write_bytes(bytes(data))
+            failed = []
+            for r in range(2):
+                try:
+                    zero.read(root, crc_share=(r, 2))
+                except CorruptCheckpointError as exc:
+                    assert "fails its CRC-32 check" in exc.message
+                    failed.append(r)
+            assert len(failed) == 1, (f.name, key, failed)
+            with pytest.raises(CorruptCheckpointError):
+                zero.read(root)
+            data[off] ^= 0x10
+            f.write_bytes(bytes(data))

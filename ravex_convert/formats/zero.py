@@ -339,7 +339,7 @@ def _tensor_infos(ckpt: Checkpoint, parsed: _Parsed) -> list[TensorInfo]:
 # read(): every tensor located in the files, nothing loaded.
 
 
-def read(path: Path, tag: str | None = None) -> Checkpoint:
+def read(path: Path, tag: str | None = None, *, crc_share: tuple[int, int] | None = None) -> Checkpoint:
     """Describe a DeepSpeed ZeRO checkpoint (stage 1, 2, 3, or BF16_Optimizer)
     without loading tensor data or importing torch.
 
@@ -348,11 +348,15 @@ def read(path: Path, tag: str | None = None) -> Checkpoint:
     the files hold them. ``optim/<state>/<fqn>``: Adam's moments (same
     geometry as the master) and ``step`` (a 0-d tensor per parameter, the
     bytes of its group's step). Tied parameters are ``aliases``.
+
+    ``crc_share=(r, n)``: of the storages whose CRC-32 is checked, only every n-th from the r-th
+    (the n ranks of a job that all read the checkpoint each check their share: every storage is
+    checked once, by one of them).
     """
-    return _read(path, tag)[0]
+    return _read(path, tag, crc_share=crc_share)[0]
 
 
-def _read(path: Path, tag: str | None = None, *, shallow: bool = False) -> tuple[Checkpoint, _Parsed]:
+def _read(path: Path, tag: str | None = None, *, shallow: bool = False, crc_share: tuple[int, int] | None = None) -> tuple[Checkpoint, _Parsed]:
     """The one parse of a tag directory. ``shallow`` (for describe): every
     optimizer file is still parsed and checked, but no tensor byte is read (no
     CRC pass, no strided view gathered) and ZeRO-3's per-rank model-states
@@ -415,22 +419,27 @@ def _read(path: Path, tag: str | None = None, *, shallow: bool = False) -> tuple
     ckpt.objects["zero"] = _provenance(ms, ranks, stage, variant, precision, ds_config, groups)
     _check_bytes(ckpt)
     if not shallow:
-        _verify_crcs(ckpt, opened)
+        _verify_crcs(ckpt, opened, crc_share)
     return ckpt, _Parsed(layout, ms, param_shapes)
 
 
-def _verify_crcs(ckpt: Checkpoint, opened: dict[Path, TorchArchive]) -> None:
+def _verify_crcs(ckpt: Checkpoint, opened: dict[Path, TorchArchive], share: tuple[int, int] | None = None) -> None:
     """The CRC-32 of every storage a chunk reads from (RAVEX_NO_CRC=1 skips):
-    a flipped bit in a rank's partition is reported, not copied through."""
+    a flipped bit in a rank's partition is reported, not copied through.
+    ``share=(r, n)``: the r-th of every n of them, in (file, storage) order."""
     offsets: dict[Path, list[int]] = {}
     for t in ckpt.tensors.values():
         for c in t.chunks:
             if c.file is not None:
                 offsets.setdefault(c.file, []).append(c.offset)
+    i = 0
     for file in sorted(offsets):
         archive = opened.get(file)
         if archive is not None:
-            verify_crcs(archive, storages_at(archive, offsets[file]))
+            keys = sorted(storages_at(archive, offsets[file]))
+            mine = keys if share is None else [k for j, k in enumerate(keys, start=i) if j % share[1] == share[0]]
+            i += len(keys)
+            verify_crcs(archive, mine)
 
 
 def _rank_file(rank: int, path: Path) -> RankFile:
