@@ -247,9 +247,13 @@ class _Reads:
             self.items.append((t, region, tensor_view(out), dtype))
 
     def run(self) -> None:
+        """Read everything, with this rank's part of the machine's CPUs (the ranks of a node read at once)."""
+        import os
+
+        from ravex_convert._dist import local_size
         from ravex_convert._engine import read_parts
 
-        read_parts(self.items)
+        read_parts(self.items, threads=max(1, (os.cpu_count() or 1) // local_size()))
         self.items = []
 
 
@@ -525,8 +529,11 @@ def _loaders(f: Foreign, live: Tracked, objs: dict[str, Any], step: int | None, 
     if hasattr(sampler, "set_epoch") and hasattr(sampler, "epoch"):
         saved["sampler_epoch"] = epoch
     if dist:
-        saved["distributed_sampler"] = {"num_replicas": f.ckpt.world_size or ranks, "rank": int(sampler.rank), "batch_size": batch, "offset": within,
-                                        "dataset_len": len(sampler.dataset)}
+        # Whole steps of this run's: its own batches are skipped; else the epoch's rest is dealt out again.
+        whole = within % (batch * ranks) == 0
+        saved["consumed"] = within // (batch * ranks) if whole else 0
+        saved["distributed_sampler"] = {"num_replicas": ranks if whole else f.ckpt.world_size or ranks, "rank": int(sampler.rank),
+                                        "batch_size": batch, "offset": 0 if whole else within, "dataset_len": len(sampler.dataset)}
     else:
         saved["consumed"] = within // batch
         if within % batch and rank == 0:

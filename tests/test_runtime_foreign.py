@@ -6,8 +6,10 @@ stopping the run before its first step with the live objects untouched.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,18 @@ _spec = importlib.util.spec_from_file_location("ravex_fixture_model", FIXTURES /
 assert _spec is not None and _spec.loader is not None
 M: Any = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(M)
+
+
+@contextlib.contextmanager
+def said(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Ravex's log lines into ``caplog`` (the ravex logger does not propagate while a run is on)."""
+    logger = logging.getLogger("ravex")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ravex"):
+            yield
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 def ckpt(name: str) -> str:
@@ -128,7 +142,7 @@ def test_adam_moments_are_the_saved_ones(env: Path, monkeypatch: pytest.MonkeyPa
 def test_bf16_parameters_take_the_cast_master(env: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Live bf16 parameters get DeepSpeed's fp32 master rounded as torch rounds it, said once."""
     monkeypatch.setenv("RAVEX_RESUME_FROM", ckpt("zero2_ws2_bf16"))
-    with caplog.at_level(logging.WARNING, logger="ravex"):
+    with said(caplog):
         seen = run(build=lambda: M.build_model().to(torch.bfloat16), steps=0)
     true = true_state("zero2_ws2_bf16")
     for k, v in seen["restored"].items():
@@ -140,7 +154,7 @@ def test_bf16_parameters_take_the_cast_master(env: Path, monkeypatch: pytest.Mon
 def test_safetensors_is_a_weights_only_start(env: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """No optimizer state: the weights (the tied head filled by the tie), step 0, a fresh optimizer."""
     monkeypatch.setenv("RAVEX_RESUME_FROM", ckpt("safetensors_single") + "/model.safetensors")
-    with caplog.at_level(logging.WARNING, logger="ravex"):
+    with said(caplog):
         seen = run(steps=1)
     true = true_state("safetensors_single")
     for k, v in seen["restored"].items():
@@ -161,7 +175,7 @@ def test_wrapper_prefix_is_matched(env: Path, monkeypatch: pytest.MonkeyPatch, c
             return self.module(x)  # type: ignore[no-any-return]
 
     monkeypatch.setenv("RAVEX_RESUME_FROM", ckpt("zero3_ws2_fp32"))
-    with caplog.at_level(logging.WARNING, logger="ravex"):
+    with said(caplog):
         seen = run(build=Wrapped, make_opt=lambda m: M.make_optimizer(m.module), steps=1)
     assert seen["step0"] == 3
     assert torch.equal(seen["restored"]["module.embed.weight"], true_state("zero3_ws2_fp32")["model/embed.weight"])
@@ -176,17 +190,17 @@ def test_live_settings_that_differ_are_reported_and_the_checkpoints_used(env: Pa
         return o
 
     monkeypatch.setenv("RAVEX_RESUME_FROM", ckpt("zero3_ws2_fp32"))
-    with caplog.at_level(logging.WARNING, logger="ravex"):
+    with said(caplog):
         seen = run(make_opt=opt, steps=0)
     assert seen["opt"].param_groups[0]["weight_decay"] == M.DECAY_WD
-    said = [r.getMessage() for r in caplog.records if "differ from the checkpoint" in r.getMessage()]
-    assert len(said) == 1 and "group 0 weight_decay: 0.05 here, 0.1 in the checkpoint" in said[0], said
+    told = [r.getMessage() for r in caplog.records if "differ from the checkpoint" in r.getMessage()]
+    assert len(told) == 1 and "group 0 weight_decay: 0.05 here, 0.1 in the checkpoint" in told[0], told
 
 
 def test_another_kind_of_scheduler_takes_the_step_count(env: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """DeepSpeed saved a LambdaLR; the live run steps a StepLR: it continues at step 3, and that is said."""
     monkeypatch.setenv("RAVEX_RESUME_FROM", ckpt("zero1_ws2_fp32"))
-    with caplog.at_level(logging.WARNING, logger="ravex"):
+    with said(caplog):
         seen = run(make_sched=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5), steps=2)
     sched = seen["sched"]
     assert sched.last_epoch == 5
@@ -359,3 +373,25 @@ def test_each_rank_checks_its_share_of_the_checksums(tmp_path: Path) -> None:
                 zero.read(root)
             data[off] ^= 0x10
             f.write_bytes(bytes(data))
+
+
+def test_a_position_inside_a_batch_resumes_at_the_batch_it_begins(env: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed trained on 18 samples; batches of 4 here: the run goes on with samples 16..19, and says so."""
+    monkeypatch.setenv("RAVEX_RESUME_FROM", ckpt("zero3_ws2_fp32"))
+    got: list[list[int]] = []
+
+    @ravex.train_loop
+    def train() -> None:
+        m = M.build_model()
+        opt = M.make_optimizer(m)
+        sched = M.make_scheduler(opt)
+        for _, _, idx in torch.utils.data.DataLoader(Rows(), batch_size=4):
+            got.append(idx.tolist())
+            break
+        del sched
+
+    with said(caplog):
+        train()
+    assert got == [[16, 17, 18, 19]]
+    assert any("18 samples is not a whole number of batches of 4" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
