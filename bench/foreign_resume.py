@@ -201,7 +201,7 @@ def child_ravex(a, out: dict) -> None:
     if enabled:
         # Ravex's own phases, timed from outside: the start (find and describe the checkpoint), the
         # restore at the first iter(loader), and in it the reads, the checks, the put-in.
-        from ravex_runtime import restoring
+        from ravex_runtime import foreign, restoring
         from ravex_runtime import runtime as rtmod
 
         def timer(owner, attr: str, key: str) -> None:
@@ -222,6 +222,7 @@ def child_ravex(a, out: dict) -> None:
         timer(rtmod.Runtime, "restore", "restore")
         for fn in ("adapt", "plan", "apply_plan"):
             timer(restoring, fn, fn)
+        timer(foreign._Reads, "run", "read")  # the bytes, once everything is checked
 
     class Rows(torch.utils.data.Dataset):
         def __init__(self):
@@ -447,7 +448,7 @@ def summarise(res: dict) -> dict:
                             "reset": all(r["ranks"][rk].get("hwm_reset") for r in runs)}
         if side == "ravex":
             d["phases"] = {k: [max(x["phases"].get(k, math.nan) for x in r["ranks"].values()) for r in runs]
-                           for k in ("start", "restore", "adapt", "plan", "apply_plan")}
+                           for k in ("start", "restore", "adapt", "read", "plan", "apply_plan")}
         s[side] = d
     if "ravex" in s and "ravex_off" in s:
         on, off = s["ravex"], s["ravex_off"]
@@ -489,8 +490,23 @@ def tables(res: dict, s: dict) -> list[str]:
         ph = on["phases"]
         out += ["", "Ravex's phases (slowest rank, median over runs): "
                 + "; ".join(f"`{k}` {med(v):.2f} s" for k, v in ph.items() if v and not any(math.isnan(x) for x in v))
-                + " (`restore` holds `adapt`: the reads of this rank's rows into the live layout, the Rust executor; `plan`: the checks; "
-                  "`apply_plan`: snapshot of the live state and the put-in; the rest of `restore` is the ranks' agreement)."]
+                + " (`restore` holds the others: `adapt` fits the checkpoint to the live objects and checks names, shapes and groups; "
+                  "`plan` checks the rest; `read` reads this rank's rows with the Rust executor, the weights straight into the live "
+                  "parameters; `apply_plan` puts the rest in (`load_state_dict`); what is left of `restore` is the ranks' agreement)."]
+    out += ["", ("Every run, in the order run (the other work on the machine is the main source of spread: \"other load\" is the CPUs "
+                 "that processes outside the job kept busy during it, of 2):"), ""]
+    rows = []
+    for r in res["runs"]:
+        if not r["ok"]:
+            rows.append([r["name"], "failed", "", "", "", f"{r['other_cpu']:.2f}"])
+            continue
+        key = "load_s" if r["side"] == "deepspeed" else "first_batch_s"
+        rk = r["ranks"].values()
+        start = ", ".join(f"{x['t_enter'] - x['t_imported']:.2f}" for x in rk) if r["side"] != "deepspeed" else ""
+        rows.append([r["name"], ", ".join(f"{x[key]:.3f}" for x in rk), start, f"{max(x['t_loaded'] for x in rk) - r['ranks'][0]['t0']:.2f}",
+                     f"{r['wall']:.1f}", f"{r['other_cpu']:.2f}"])
+    out.append(R.md_table(["run", "timed call, per rank (s)", "Ravex's start, per rank (s)", "launch to resumed (s)", "job wall (s)",
+                           "other load (CPUs)"], rows))
     out += ["", "### 2. Memory per rank (the largest over runs)", ""]
     rows = []
     for label, d in (("DeepSpeed", ds), ("Ravex", on), ("Ravex off", off)):
@@ -571,8 +587,8 @@ def render(res: dict) -> str:
               ("- Not the same work. DeepSpeed loads its own layout at its own world size: each rank unpickles its own "
                "`optim_states.pt` (its flat fp32 partition) and copies it into its partitions. Ravex maps the same files into another "
                "program's layout (FSDP2 row shards, torch optimizer state by parameter name): each rank reads only its rows of each "
-               "tensor, checks everything against the live objects first, and keeps a snapshot of the live state so a failed restore can be "
-               "undone. The world size is the same here (2 → 2), which is DeepSpeed's only option; Ravex would read the same checkpoint at "
+               "tensor, checks everything against the live objects first, and checks the CRC-32 of its share of the files' storages. "
+               "The world size is the same here (2 → 2), which is DeepSpeed's only option; Ravex would read the same checkpoint at "
                "another world size."),
               ("- Both sides' set-up is outside the timed call: DeepSpeed's `zero.Init` and `initialize`, the script's model, "
                "`fully_shard` and optimizer. The launch-to-resumed line shows the whole."),
@@ -595,21 +611,21 @@ def auto_observations(s: dict, res: dict) -> list[str]:
         obs.append("**Peak memory during the load**, per rank: Ravex " + ", ".join(mib(p) for p, _ in peaks) + " against DeepSpeed "
                    + ", ".join(mib(q) for _, q in peaks) + f" ({', '.join(f'{p / q:.2f}x' for p, q in peaks)}).")
         m0, d0 = on["mem"][0], ds["mem"][0]
-        obs.append(f"Where the memory goes (rank 0): DeepSpeed holds {mib(d0['rss_before'])} before its load (`initialize` has already "
-                   f"allocated its partitions and the optimizer's), grows by {(d0['rss_after'] - d0['rss_before']) / 1024:+,.0f} MiB and "
+        obs.append(f"Where the memory goes (rank 0): DeepSpeed holds {mib(d0['rss_before'])} before its load (after `initialize`), "
+                   f"ends {(d0['rss_after'] - d0['rss_before']) / 1024:+,.0f} MiB from there and "
                    f"peaks {(d0['hwm_during'] - d0['rss_after']) / 1024:,.0f} MiB above where it ends. The FSDP2 script holds "
                    f"{mib(m0['rss_before'])} before (the `to_empty` shards are allocated but not yet touched, and AdamW has no state "
                    f"before its first step), grows by {(m0['rss_after'] - m0['rss_before']) / 1024:+,.0f} MiB (its shards written, "
-                   f"both moments created) and peaks {(m0['hwm_during'] - m0['rss_after']) / 1024:,.0f} MiB above where it ends: two copies "
-                   "of the rank's weight shards alive during the put-in (the buffers they are read into before `load_state_dict` "
-                   "copies them into the parameters, and the snapshot of the live weights kept to undo a failed restore); the moments "
-                   "are read into buffers the optimizer keeps.")
+                   f"both moments created) and peaks {(m0['hwm_during'] - m0['rss_after']) / 1024:,.0f} MiB above where it ends: the "
+                   "weights are read straight into the parameters' own memory and the moments into buffers the optimizer keeps, and "
+                   "no copy of the live state is kept (a foreign checkpoint has nothing to fall back on).")
         ph = {k: med(v) for k, v in on["phases"].items() if v}
-        if all(k in ph and not math.isnan(ph[k]) for k in ("start", "restore", "adapt", "apply_plan")):
-            obs.append(f"Ravex's time, by phase (slowest rank): its start {ph['start']:.2f} s (the checkpoint found and described, at the "
-                       f"decorator's entry); at the first `iter(loader)` the reads into the live layout (`adapt`) {ph['adapt']:.2f} s, "
-                       f"the put-in (`apply_plan`: snapshot, then `load_state_dict` of model and optimizer) {ph['apply_plan']:.2f} s, the rest "
-                       f"of `restore` (the checks, the ranks' agreement) {ph['restore'] - ph['adapt'] - ph['apply_plan'] - ph.get('plan', 0):.2f} s.")
+        if all(k in ph and not math.isnan(ph[k]) for k in ("start", "restore", "adapt", "read", "apply_plan")):
+            rest = ph["restore"] - ph["adapt"] - ph["read"] - ph["apply_plan"] - ph.get("plan", 0)
+            obs.append(f"Ravex's time, by phase (slowest rank): its start {ph['start']:.2f} s (the checkpoint found and described, its "
+                       f"CRC-32s checked, each rank its share, at the decorator's entry); at the first `iter(loader)`: fitting and "
+                       f"checking (`adapt`, `plan`) {ph['adapt'] + ph.get('plan', 0):.2f} s, the reads {ph['read']:.2f} s, the put-in "
+                       f"(`apply_plan`) {ph['apply_plan']:.2f} s, the ranks' agreement {rest:.2f} s.")
     return obs
 
 

@@ -67,6 +67,7 @@ CASES = [
     Case("zero3_ws2_fp32", "fsdp2", 3),
     Case("zero3_ws2_fp32", "ddp", 2),
     Case("zero3_ws2_fp32", "none", 1),
+    Case("zero1_ws2_bf16", "fsdp2", 2, "bf16-mixed"),
     Case("zero3_ws2_bf16", "fsdp2", 2, "bf16-mixed"),
     Case("zero3_ws2_bf16", "fsdp2", 3, "bf16-mixed"),
     Case("zero2_ws2_bf16", "none", 1, "bf16"),

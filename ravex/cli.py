@@ -445,6 +445,11 @@ def status_cmd(path: str | None, as_json: bool) -> None:
     last = next((c for c in reversed(st["checkpoints"]) if c.get("ranks")), None)
     if last is not None:
         _say(_ranks_line(last["index"], last["ranks"]))
+    began = next((c for c in reversed(st["checkpoints"]) if c.get("began_from")), None)
+    if began is not None:
+        b = began["began_from"]
+        step = f" (step {b['step']})" if b.get("step") is not None else ""
+        _say(f"checkpoint {began['index']}: the run began from the {b.get('format')} checkpoint {b.get('path')}{step} (resume_from)")
     resume = st["resume"]
     _say("resume would pick: " + (f"checkpoint {resume}" if resume is not None else "nothing (a run starts from the beginning)"))
 

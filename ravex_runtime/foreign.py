@@ -302,10 +302,11 @@ def adapt(f: Foreign, live: Tracked, rank: int) -> Adapted:
         _schedulers(f, live, objs, step)
         _loaders(f, live, objs, step, rank)
         objs["step"] = step if step is not None else 0
-    for i, sc in enumerate(live.scalers):  # DeepSpeed's own loss scaler is another object: the GradScaler starts fresh
+    weights_only = not objs
+    for i, sc in enumerate(live.scalers if not weights_only else []):  # DeepSpeed's own loss scaler is another object: a GradScaler starts fresh
         objs["grad_scaler" if i == 0 else f"grad_scaler.{i}"] = sc.state_dict()
-    out = Checkpoint(f"foreign:{f.format}", f.path, world_size=ckpt.world_size, step=step if objs else None, objects=objs,
-                     source={"weights_only": not objs})
+    out = Checkpoint(f"foreign:{f.format}", f.path, world_size=ckpt.world_size, step=None if weights_only else step, objects=objs,
+                     source={"weights_only": weights_only})
     return Adapted(out, tensors, reads.run)
 
 

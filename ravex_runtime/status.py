@@ -34,26 +34,41 @@ def _dir_size(d: Path) -> int:
 _STATUS_JSON_LIMIT = 64 << 20
 
 
-def _ranks(meta: Path) -> dict[str, Any] | None:
-    """Who wrote a checkpoint of a run on many ranks: world size, mode, mesh, wrapper, which rank
-    wrote which files (``objects.distributed``); None for one process, or when it cannot be read."""
+def _objects(meta: Path) -> dict[str, Any]:
+    """A checkpoint's small state (``objects`` of its checkpoint.json); empty when it cannot be read."""
     try:
         if meta.stat().st_size > _STATUS_JSON_LIMIT:
-            return None
+            return {}
         doc = json.loads(meta.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return None
-    d = doc.get("objects", {}).get("distributed") if isinstance(doc, dict) and isinstance(doc.get("objects"), dict) else None
+        return {}
+    objs = doc.get("objects") if isinstance(doc, dict) else None
+    return objs if isinstance(objs, dict) else {}
+
+
+def _ranks(objs: dict[str, Any]) -> dict[str, Any] | None:
+    """Who wrote a checkpoint of a run on many ranks: world size, mode, mesh, wrapper, which rank
+    wrote which files (``objects.distributed``); None for one process, or when it cannot be read."""
+    d = objs.get("distributed")
     if not isinstance(d, dict):
         return None
     return {k: d.get(k) for k in ("world_size", "mode", "mesh", "wrap", "written_by", "shared_storage")}
+
+
+def _began_from(objs: dict[str, Any]) -> dict[str, Any] | None:
+    """The other program's checkpoint the run began from (``resume_from``), as it records it."""
+    from .foreign import ORIGIN_KEY
+
+    extra = objs.get("extra")
+    origin = extra.get(ORIGIN_KEY) if isinstance(extra, dict) else None
+    return {k: origin.get(k) for k in ("format", "path", "step")} if isinstance(origin, dict) else None
 
 
 def store_status(path: str | Path | None = None) -> dict[str, Any]:
     """The store at ``path`` (default: ``storage.path`` of the configuration found from the working
     directory): ``store``, ``config`` (the file used, if any), ``checkpoints`` (index, step, bytes
     (logical), bytes_on_disk (files in its own directory), created_unix, complete, problem, run_id, ranks: who wrote it in a
-    run on many ranks, else None) and
+    run on many ranks, else None; began_from: the other program's checkpoint the run began from, else None) and
     ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint)."""
     from ravex_convert.formats.native import CHECKPOINT, MANIFEST, STORE_MARKER
 
@@ -76,9 +91,10 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
             problem = f"status {e.get('status')!r}"
         elif not (d / CHECKPOINT).is_file():
             problem = f"{CHECKPOINT} missing"
+        objs = _objects(d / CHECKPOINT) if problem is None else {}
         rows.append({"index": e.get("index"), "step": e.get("step"), "bytes": e.get("bytes"), "bytes_on_disk": _dir_size(d),
                      "created_unix": e.get("created_unix"), "complete": problem is None, "problem": problem, "run_id": e.get("run_id"),
-                     "ranks": _ranks(d / CHECKPOINT) if problem is None else None})
+                     "ranks": _ranks(objs), "began_from": _began_from(objs)})
         if problem is None:
             resume = e.get("index")
     cfg = find_config_file()

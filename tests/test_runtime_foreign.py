@@ -60,7 +60,8 @@ class Rows(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
         return x[i % M.GLOBAL_BATCH], y[i % M.GLOBAL_BATCH], i
 
 
-def run(build: Any = None, make_opt: Any = None, make_sched: Any = None, steps: int = 1, seen: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(build: Any = None, make_opt: Any = None, make_sched: Any = None, steps: int = 1, seen: dict[str, Any] | None = None,
+        scaler: bool = False) -> dict[str, Any]:
     """The decorated script: build (inside it, as scripts do), iterate (the restore happens at the
     first iteration), train ``steps`` steps; what it saw (in ``seen``, also when it raises)."""
     seen = {} if seen is None else seen
@@ -73,7 +74,7 @@ def run(build: Any = None, make_opt: Any = None, make_sched: Any = None, steps: 
         seen["built"] = built
         opt = (make_opt or M.make_optimizer)(m)
         sched = (make_sched or M.make_scheduler)(opt)
-        seen.update(model=m, opt=opt, sched=sched)
+        seen.update(model=m, opt=opt, sched=sched, scaler=torch.amp.GradScaler("cpu") if scaler else None)
         loader = torch.utils.data.DataLoader(Rows(), batch_size=M.GLOBAL_BATCH)
         for x, y, idx in loader:
             if "step0" not in seen:
@@ -109,7 +110,7 @@ def test_resume_puts_in_the_true_state(env: Path, monkeypatch: pytest.MonkeyPatc
     count, the LR and the data position continue from the saved run (DeepSpeed's global_samples,
     or the step count x the global batch); the first loss is DeepSpeed's own continuation's."""
     monkeypatch.setenv("RAVEX_RESUME_FROM", ckpt(name))
-    seen = run(steps=1)
+    seen = run(steps=1, scaler=True)  # a GradScaler starts fresh (DeepSpeed's loss scaler is another object)
     true = true_state(name)
     got = seen["restored"]
     for k, v in got.items():
@@ -155,7 +156,7 @@ def test_safetensors_is_a_weights_only_start(env: Path, monkeypatch: pytest.Monk
     """No optimizer state: the weights (the tied head filled by the tie), step 0, a fresh optimizer."""
     monkeypatch.setenv("RAVEX_RESUME_FROM", ckpt("safetensors_single") + "/model.safetensors")
     with said(caplog):
-        seen = run(steps=1)
+        seen = run(steps=1, scaler=True)
     true = true_state("safetensors_single")
     for k, v in seen["restored"].items():
         assert torch.equal(v, true[f"model/{k}"]), k
@@ -221,6 +222,14 @@ def test_the_store_takes_over_after_the_first_checkpoint(env: Path, monkeypatch:
 
     c, _ = load_checkpoint(env)
     assert c.objects["extra"]["ravex_resumed_from"] == {"format": "zero", "path": ckpt("zero3_ws2_fp32"), "step": 3}
+    from ravex_runtime.status import store_status
+
+    rows = store_status(env)["checkpoints"]
+    assert rows and all(r["began_from"] == {"format": "zero", "path": ckpt("zero3_ws2_fp32"), "step": 3} for r in rows)
+    from conftest import run_ravex
+
+    shown = run_ravex("status", env)
+    assert shown.returncode == 0 and f"the run began from the zero checkpoint {ckpt('zero3_ws2_fp32')} (step 3)" in shown.stdout, shown.stdout
     assert len(first["losses"]) == 3
     monkeypatch.setenv("RAVEX_RESUME_FROM", ckpt("zero1_ws2_fp32"))
     with pytest.raises(ResumeError, match="already holds checkpoints of a run that did not begin from") as e:
@@ -395,3 +404,22 @@ def test_a_position_inside_a_batch_resumes_at_the_batch_it_begins(env: Path, mon
         train()
     assert got == [[16, 17, 18, 19]]
     assert any("18 samples is not a whole number of batches of 4" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_deepspeeds_own_scheduler_state_gives_its_step_count(caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed's WarmupLR and friends save ``last_batch_iteration`` (counting from -1): a live
+    torch scheduler continues at that count + 1, with the checkpoint's learning rates."""
+    from ravex_runtime.foreign import adapt, open_foreign
+    from ravex_runtime.state import Tracked
+
+    f = open_foreign(ckpt("zero3_ws2_fp32"))
+    f.ckpt.objects["lr_scheduler"] = {"last_batch_iteration": 2}
+    m = M.build_model()
+    opt = M.make_optimizer(m)
+    sched = M.make_scheduler(opt)
+    with said(caplog):
+        fitted = adapt(f, Tracked(models=[m], optimizers=[opt], schedulers=[sched]), 0)
+    state = fitted.ckpt.objects["lr_scheduler"]
+    assert (state["last_epoch"], state["_step_count"], state["_last_lr"]) == (3, 4, [M.DECAY_LR, M.NO_DECAY_LR])
+    assert set(state) == set(sched.state_dict())
+    assert any("LambdaLR) is set to step 3" in r.getMessage() for r in caplog.records)
