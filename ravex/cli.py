@@ -26,6 +26,7 @@ from ravex_convert import _core, _dist
 from ravex_convert.errors import INTERNAL_EXIT, CorruptCheckpointError, RavexError, from_os_error
 from ravex_convert.formats import registry
 from ravex_convert.info import CheckpointInfo
+from ravex_convert.ties import parse_tie
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -197,6 +198,9 @@ _NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
 @click.option("--param-names", "param_names_file", default=None, metavar="FILE",
               help="torch.save source with position-keyed optimizer state: the parameter names in optimizer order, one per line.")
+@click.option("--tie", "ties", multiple=True, metavar="ALIAS=TARGET",
+              help="A tie the source never recorded (it stores the tensor once): ALIAS is read as TARGET, e.g. lm_head.weight=model.embed_tokens.weight; repeatable.")
+@click.option("--materialize-ties", is_flag=True, help="Write every tied name as a tensor of its own (for strict loaders that know nothing of ties).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (tensors, bytes, copy runs) and write nothing.")
 @click.option("--no-sync", is_flag=True, help=_NO_SYNC_HELP)
@@ -205,17 +209,18 @@ _NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (
 @_handled
 def convert_cmd(src: str, dst: str, to: str | None, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
                 compression: str | None, world_size: int, metadata_form: str, zero_stage: int | None, precision: str | None,
-                buffers: str | None, hyperparameters: str | None, tag: str | None, index: int, param_names_file: str | None, force: bool, dry_run: bool,
-                no_sync: bool, as_json: bool, quiet: bool) -> None:
+                buffers: str | None, hyperparameters: str | None, tag: str | None, index: int, param_names_file: str | None, ties: tuple[str, ...],
+                materialize_ties: bool, force: bool, dry_run: bool, no_sync: bool, as_json: bool, quiet: bool) -> None:
     """Convert the checkpoint at SRC to another format at DST (bit-exact; weights as the fp32 master copy where SRC has one)."""
     try:
         names = _read_names(param_names_file)
+        tied = dict(parse_tie(t) for t in ties)
         with _progress(quiet) as progress:
             result = ravex_convert.convert(src, dst, to, tag=tag, index=index, weights_only=weights_only, dtype=dtype,
                                            strip_prefix=strip_prefix, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                                            compression=compression, world_size=world_size, param_names=names,
                                            metadata_form=metadata_form, progress=progress, sync=not no_sync, distributed=True,
-                                           **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
+                                           ties=tied, materialize_ties=materialize_ties, **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
     except RavexError as exc:
         _fail(exc)
     _report(result, dst, as_json)
@@ -246,6 +251,9 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
 @_zero_options
 @click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
+@click.option("--tie", "ties", multiple=True, metavar="ALIAS=TARGET",
+              help="A tie the source never recorded (it stores the tensor once): ALIAS is read as TARGET, e.g. lm_head.weight=model.embed_tokens.weight; repeatable.")
+@click.option("--materialize-ties", is_flag=True, help="Write every tied name as a tensor of its own (for strict loaders that know nothing of ties).")
 @click.option("--force", is_flag=True, help="Replace DST if it exists.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--no-sync", is_flag=True, help=_NO_SYNC_HELP)
@@ -253,13 +261,15 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_handled
 def reshard_cmd(src: str, dst: str, world_size: int, zero_stage: int | None, precision: str | None, buffers: str | None,
-                hyperparameters: str | None, tag: str | None, index: int, force: bool, dry_run: bool, no_sync: bool, as_json: bool,
-                quiet: bool) -> None:
+                hyperparameters: str | None, tag: str | None, index: int, ties: tuple[str, ...], materialize_ties: bool, force: bool,
+                dry_run: bool, no_sync: bool, as_json: bool, quiet: bool) -> None:
     """Change the number of ranks of SRC (DeepSpeed ZeRO, DCP, Ravex store), model and optimizer state, keeping its format."""
     try:
+        tied = dict(parse_tie(t) for t in ties)
         with _progress(quiet) as progress:
             result = ravex_convert.reshard(src, dst, world_size, tag=tag, index=index, force=force, dry_run=dry_run, progress=progress,
-                                           sync=not no_sync, distributed=True, **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
+                                           sync=not no_sync, distributed=True, ties=tied, materialize_ties=materialize_ties,
+                                           **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
     except RavexError as exc:
         _fail(exc)
     _report(result, dst, as_json)
@@ -271,15 +281,22 @@ def reshard_cmd(src: str, dst: str, world_size: int, zero_stage: int | None, pre
 @click.option("--weights-only", is_flag=True, help="Compare model weights only, not optimizer state.")
 @click.option("--atol", default=0.0, show_default=True, help="Absolute tolerance (default: bit-exact).")
 @click.option("--rtol", default=0.0, show_default=True, help="Relative tolerance (default: bit-exact).")
+@click.option("--param-names", "param_names_file", default=None, metavar="FILE",
+              help="A side whose optimizer state is keyed by position (torch.save): the parameter names in optimizer order, one per line.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @_handled
-def verify_cmd(a: str, b: str, weights_only: bool, atol: float, rtol: float, as_json: bool) -> None:
+def verify_cmd(a: str, b: str, weights_only: bool, atol: float, rtol: float, param_names_file: str | None, as_json: bool) -> None:
     """Compare two checkpoints of any formats tensor by tensor. Exit 0: identical; 1: different (a name on one side only is a
-    difference; two checkpoints without tensors are never identical); 2 or more: error."""
+    difference; two checkpoints without tensors are never identical); 2 or more: error. Optimizer state is matched by parameter
+    name wherever each format keeps it; names that differ by a wrapper's prefix alone (module., _orig_mod.) are matched without it."""
     try:
-        result = ravex_convert.verify(a, b, weights_only=weights_only, atol=atol, rtol=rtol)
+        names = _read_names(param_names_file)
+        result = ravex_convert.verify(a, b, weights_only=weights_only, atol=atol, rtol=rtol, param_names=names)
     except RavexError as exc:
         _fail(exc)
+    if not as_json:
+        for m in result.matched:
+            _say(f"matched: {m}")
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     elif result.identical:

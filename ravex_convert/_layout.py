@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SOURCE_KEY", "PathItem", "StateLayout", "layout_of", "merge", "optimizer_tree", "place", "unflatten"]
+__all__ = ["SOURCE_KEY", "PathItem", "StateLayout", "layout_of", "merge", "optimizer_tree", "place", "regroup", "unflatten", "unflatten_optimizer"]
 
 SOURCE_KEY = "state_layout"
 
@@ -77,6 +77,41 @@ def optimizer_tree(layout: StateLayout, state: dict[str, dict[str, Any]], groups
                 if k != "params":
                     out[f"param_groups.{fqn}.{k}"] = v
     return out
+
+
+def regroup(per_param: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """get_state_dict stores each parameter's group hyper-parameters under its
+    name; parameters whose hyper-parameters (and listed ``params``) agree are one
+    group, in order of first appearance."""
+    groups: list[dict[str, Any]] = []
+    for fqn, hyper in per_param.items():
+        listed = hyper.get("params")
+        h = {k: v for k, v in hyper.items() if k != "params"}
+        for g in groups:
+            same_members = listed is None or g.get("_listed") == listed
+            if same_members and {k: v for k, v in g.items() if k not in ("params", "_listed")} == h:
+                g["params"].append(fqn)
+                break
+        else:
+            groups.append({**h, "params": [fqn], "_listed": listed})
+    for g in groups:
+        g.pop("_listed")
+    return groups
+
+
+def unflatten_optimizer(flat: dict[str, Any]) -> dict[str, Any] | None:
+    """The nested optimizer state dict (``state`` and ``param_groups`` keyed by parameter name)
+    of one in ``flatten_optimizer_state_dict``'s form (``state.<fqn>.<name>``,
+    ``param_groups.<fqn>.<key>``); None when ``flat`` is not in that form."""
+    if not flat or not all(isinstance(k, str) and k.startswith(("state.", "param_groups.")) and k.count(".") >= 2 for k in flat):
+        return None
+    state: dict[str, dict[str, Any]] = {}
+    per_param: dict[str, dict[str, Any]] = {}
+    for k, v in flat.items():
+        kind, _, rest = k.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        (state if kind == "state" else per_param).setdefault(fqn, {})[name] = v
+    return {"state": state, "param_groups": regroup(per_param)}
 
 
 def merge(dst: Any, src: Any) -> Any:

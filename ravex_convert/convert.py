@@ -23,6 +23,8 @@ from .detect import detect, inspect, read_checkpoint
 from .errors import CorruptCheckpointError, LayoutMismatchError, RavexError
 from .formats import native, registry
 from .model import MODEL, OBJ, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
+from .ties import apply_ties
+from .ties import materialize as materialize_ties_in
 
 __all__ = ["RESHARDABLE", "TARGETS", "convert", "infer_target", "left_out", "load_state_dict", "materialize", "parse_size", "reshard"]
 
@@ -91,6 +93,8 @@ def convert(
     progress: Callable[[int], None] | None = None,
     sync: bool = True,
     distributed: bool = False,
+    ties: Mapping[str, str] | None = None,
+    materialize_ties: bool = False,
 ) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` into format ``to`` at ``dst`` (``to``
     None: taken from ``dst``'s name, see :func:`infer_target`, and said so in
@@ -111,6 +115,10 @@ def convert(
     Whatever of the source is not carried over is listed under ``left_out``
     (files of a source directory no reader took, optimizer and training state
     a weights-only output drops) and named in ``notes``.
+    ``ties`` (alias -> parameter name): ties the source never recorded (it stores
+    the tensor once and leaves the tie to the model's code), read as that tensor;
+    ``materialize_ties`` writes every tied name as a tensor of its own (a strict
+    ``load_state_dict`` of the output then finds each name).
     """
     chosen: list[str] = []
     if to is None:
@@ -130,7 +138,12 @@ def convert(
     ckpt = read_checkpoint(src, tag=tag, index=index, param_names=param_names)
     if not opts.weights_only and "optimizer_error" in ckpt.source:
         raise ckpt.source["optimizer_error"]
+    if ties:
+        apply_ties(ckpt, ties)
     out = select(ckpt, opts)
+    if materialize_ties:
+        made = materialize_ties_in(out)
+        chosen.append(f"tied names written as tensors of their own: {', '.join(made)}" if made else "--materialize-ties: the checkpoint has no tied names")
     _bounded(ckpt, out, opts, src)
     _param_groups(out, to, opts, hyperparameters)
     if ckpt.format == "native" and not dry_run:

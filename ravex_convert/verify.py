@@ -46,6 +46,7 @@ class VerifyResult:
     exact: bool = True
     tensors_a: int = 0  # names (tensors and tied names) on each side, of the kinds compared
     tensors_b: int = 0
+    matched: list[str] = field(default_factory=list)  # how the two sides' names were matched, where it is not plain
 
     @property
     def identical(self) -> bool:
@@ -64,7 +65,7 @@ class VerifyResult:
     def to_json(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "identical": self.identical, "exact": self.exact, "compared": self.compared,
                 "elements": self.elements, "tensors_a": self.tensors_a, "tensors_b": self.tensors_b, "only_in_a": self.only_in_a,
-                "only_in_b": self.only_in_b, "differing_tensors": len(self.differences),
+                "only_in_b": self.only_in_b, "differing_tensors": len(self.differences), "matched": list(self.matched),
                 "differences": [d.to_json() for d in self.differences]}
 
 
@@ -98,15 +99,24 @@ def _compare(ta: LogicalTensor, tb: LogicalTensor, atol: float, rtol: float) -> 
 
 def verify(a: str | Path, b: str | Path, *, weights_only: bool = False, atol: float = 0.0, rtol: float = 0.0,
            tag_a: str | None = None, tag_b: str | None = None, index_a: int = -1, index_b: int = -1,
-           param_names_a: list[str] | None = None, param_names_b: list[str] | None = None) -> VerifyResult:
+           param_names_a: list[str] | None = None, param_names_b: list[str] | None = None,
+           param_names: list[str] | None = None) -> VerifyResult:
     """Compare every logical tensor of ``a`` and ``b``. The result lists each
     differing tensor (missing, other shape, or how many elements differ and
     where the first is); ``identical`` when there is none and at least one
     tensor was compared: a name on one side only is a difference, and two
     checkpoints with no tensor at all are not identical (nothing was shown to
-    be equal) but differ by ``nothing_compared``."""
-    ca = read_checkpoint(a, tag=tag_a, index=index_a, param_names=param_names_a)
-    cb = read_checkpoint(b, tag=tag_b, index=index_b, param_names=param_names_b)
+    be equal) but differ by ``nothing_compared``.
+
+    Names are matched by meaning: the optimizer's state by parameter name,
+    wherever each format keeps it (``optim`` or ``optimizer``, nested or
+    flattened); names that differ by a wrapper's prefix alone (``module.``,
+    ``_orig_mod.``) are matched without it. ``matched`` says how, where that
+    is not plain. ``param_names``: the parameter names in optimizer order, for
+    each side whose optimizer state is keyed by position (a torch.save file;
+    ``param_names_a`` / ``_b`` for one side only)."""
+    ca = read_checkpoint(a, tag=tag_a, index=index_a, param_names=param_names_a or _if_taken(a, param_names))
+    cb = read_checkpoint(b, tag=tag_b, index=index_b, param_names=param_names_b or _if_taken(b, param_names))
     for c in (ca, cb):
         if not weights_only and "optimizer_error" in c.source:
             raise c.source["optimizer_error"]
@@ -117,17 +127,18 @@ def verify(a: str | Path, b: str | Path, *, weights_only: bool = False, atol: fl
         raise RavexError(f"--atol {atol} --rtol {rtol}: tolerances must be finite numbers >= 0", hint="e.g. --atol 1e-6 --rtol 0, or neither for bit-exact")
     result = VerifyResult(str(a), str(b), exact=(atol == 0 and rtol == 0))
     names_a, names_b = _names(ca, weights_only), _names(cb, weights_only)
+    result.matched += [m for side, c in (("a", ca), ("b", cb)) if (m := _optimizer_said(side, c, weights_only))]
+    b_named = _prefixed(names_a, names_b, result)  # b's names as a's: which name of b each one is
     result.tensors_a, result.tensors_b = len(names_a), len(names_b)
     if not names_a and not names_b:
         what = "model weights" if weights_only else "tensors (weights or optimizer state)"
         result.differences.append(Difference("(nothing)", "nothing_compared", f"neither {a} nor {b} holds any {what}: nothing was compared"))
         return result
-    set_b = set(names_b)
     for name in names_a:
-        if name not in set_b:
+        if name not in b_named:
             result.differences.append(Difference(_display(name), "missing_in_b", f"only in {a}"))
             continue
-        ta, tb = ca.resolve(name), cb.resolve(name)
+        ta, tb = ca.resolve(name), cb.resolve(b_named[name])
         if ta.shape != tb.shape:
             result.differences.append(Difference(_display(name), "shape", f"shape {list(ta.shape)} vs {list(tb.shape)}"))
             continue
@@ -146,7 +157,61 @@ def verify(a: str | Path, b: str | Path, *, weights_only: bool = False, atol: fl
             dtypes = f" ({ta.dtype} vs {tb.dtype})" if ta.dtype != tb.dtype else ""
             result.differences.append(Difference(_display(name), "values", f"{n} of {ta.numel} elements differ{dtypes}", n, where, max_abs))
     set_a = set(names_a)
-    for name in names_b:
+    for name, in_b in b_named.items():
         if name not in set_a:
-            result.differences.append(Difference(_display(name), "missing_in_a", f"only in {b}"))
+            result.differences.append(Difference(_display(in_b), "missing_in_a", f"only in {b}"))
     return result
+
+
+def _if_taken(path: str | Path, names: list[str] | None) -> list[str] | None:
+    """``names`` for a checkpoint whose format takes parameter names (position-keyed optimizer state), else None."""
+    if names is None:
+        return None
+    from .detect import detect
+
+    return names if "param_names" in registry.get(detect(path).format).options else None
+
+
+def _fqn(name: str) -> str:
+    return name[len(MODEL):] if name.startswith(MODEL) else name.split("/", 2)[2]
+
+
+def _renamed(name: str, old: str, new: str) -> str:
+    """``name`` with its parameter name's prefix ``old`` replaced by ``new``."""
+    if name.startswith(MODEL):
+        return MODEL + new + name[len(MODEL) + len(old):]
+    _, state, fqn = name.split("/", 2)
+    return f"{OPTIM}{state}/{new}{fqn[len(old):]}"
+
+
+def _prefixed(names_a: list[str], names_b: list[str], result: VerifyResult) -> dict[str, str]:
+    """b's names under a's: b's own, or, when the two sides' parameter names differ by a wrapper's
+    prefix alone, with b's prefix replaced by a's (said in ``result.matched``)."""
+    from ._names import prefix_match
+
+    fa = sorted({_fqn(n) for n in names_a if n.startswith(MODEL)})
+    fb = sorted({_fqn(n) for n in names_b if n.startswith(MODEL)})
+    found = prefix_match(fa, fb) if set(fa) != set(fb) else None
+    if found is None or found == ("", ""):
+        return {n: n for n in names_b}
+    pa, pb = found
+    out = {}
+    for n in names_b:
+        f = _fqn(n)
+        out[_renamed(n, pb, pa) if f.startswith(pb) else n] = n
+    say = (f"b's parameter names start with '{pb}'" if pb else "b's have no prefix") + (f", a's with '{pa}'" if pa else ", a's have none")
+    result.matched.append(f"{say}: matched without the prefix")
+    return out
+
+
+def _optimizer_said(side: str, c: Checkpoint, weights_only: bool) -> str | None:
+    """Where a side kept its optimizer, when that is not Ravex's portable layout: compared by parameter name all the same."""
+    from ._layout import SOURCE_KEY, StateLayout
+
+    if weights_only or not any(n.startswith(OPTIM) for n in c.tensors) or SOURCE_KEY not in c.source:
+        return None
+    layout = StateLayout.from_json(c.source[SOURCE_KEY])
+    if layout.optim == ("optim",) and not layout.optim_flat:
+        return None
+    where = ".".join(map(str, layout.optim))
+    return f"{side}'s optimizer state is under '{where}'{' (flattened)' if layout.optim_flat else ''}: compared by parameter name"

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ravex_convert._names import prefix_hint, prefix_match
 from ravex_convert.errors import LayoutMismatchError, RavexError
 from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint, LogicalTensor, Region
 
@@ -47,7 +48,6 @@ ORIGIN_KEY = "ravex_resumed_from"
 
 # Settings of torch.optim that choose an implementation, not the training: the live ones are kept.
 _IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
-_PREFIXES = ("module.", "_orig_mod.", "model.", "_fsdp_wrapped_module.")
 _TITLES = {"zero": "DeepSpeed ZeRO", "dcp": "DCP", "torch_save": "torch.save", "safetensors": "safetensors"}
 
 
@@ -112,26 +112,6 @@ def _dtype(t: torch.dtype) -> str:
 # ---------------------------------------------------------------- names
 
 
-def _common_prefix(names: list[str]) -> str:
-    """The first name component all of ``names`` share, with its dot ('' when they do not)."""
-    firsts = {n.split(".", 1)[0] for n in names}
-    if len(firsts) == 1 and names and all("." in n for n in names):
-        return firsts.pop() + "."
-    return ""
-
-
-def _prefixes(names: list[str]) -> list[str]:
-    """'' and each common leading prefix of ``names`` (up to two components: module._orig_mod.)."""
-    out, p = [""], ""
-    for _ in range(2):
-        nxt = _common_prefix([n[len(p):] for n in names])
-        if not nxt:
-            break
-        p += nxt
-        out.append(p)
-    return out
-
-
 def name_map(f: Foreign, saved: list[str], live: list[str], tied: dict[str, str] | None = None) -> dict[str, str]:
     """live name -> the checkpoint's name of the same tensor. Names that differ only by a wrapper's
     prefix (DDP's ``module.``, torch.compile's ``_orig_mod.``, on either side) are matched, and
@@ -153,26 +133,20 @@ def name_map(f: Foreign, saved: list[str], live: list[str], tied: dict[str, str]
 
 
 def _name_map(f: Foreign, saved: list[str], live: list[str]) -> dict[str, str]:
+    found = prefix_match(saved, live)
+    if found is not None:
+        ps, pl = found
+        if ps or pl:
+            log.warning("ravex: the checkpoint's tensor names %s the live model's %s: matched without it",
+                        f"start with '{ps}'" if ps else "have no prefix", f"start with '{pl}'" if pl else "have none")
+        return {n: ps + n[len(pl):] for n in live}
     want = set(saved)
-    for ps in _prefixes(saved):
-        for pl in _prefixes(live):
-            if {n[len(ps):] for n in saved if n.startswith(ps)} == {n[len(pl):] for n in live} and len(want) == len(live):
-                if ps or pl:
-                    log.warning("ravex: the checkpoint's tensor names %s the live model's %s: matched without it",
-                                f"start with '{ps}'" if ps else "have no prefix", f"start with '{pl}'" if pl else "have none")
-                return {n: ps + n[len(pl):] for n in live}
     missing = sorted(set(live) - want)
     extra = sorted(want - set(live))
     hint = "build the model the saved run trained (the same modules and names)"
-    for p in _PREFIXES:
-        for side, names, other in (("model's", live, want), ("checkpoint's", saved, set(live))):
-            if sum(1 for n in names if n.startswith(p) and n[len(p):] in other) * 2 > len(other):
-                hint = (f"most of the {side} names start with '{p}' and match the other side's without it; Ravex matches names "
-                        "that differ by such a wrapper prefix alone, but these differ by more: " + hint)
-                break
-        else:
-            continue
-        break
+    why = prefix_hint(live, saved, "model's", "checkpoint's")
+    if why is not None:
+        hint = f"{why} (Ravex matches names that differ by such a wrapper prefix alone): {hint}"
     what = []
     if missing:
         what.append(f"{len(missing)} of the model's tensors are not in it ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})")

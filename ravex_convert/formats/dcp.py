@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .._dtypes import DTYPE_SIZES
-from .._layout import SOURCE_KEY, PathItem, StateLayout, layout_of, unflatten
+from .._layout import SOURCE_KEY, PathItem, StateLayout, layout_of, regroup, unflatten
 from .._limits import MAX_CHUNKS_PER_TENSOR_ENV, max_chunks_per_tensor
 from .._paths import inside
 from .._torchzip import TorchArchive, crc_enabled, open_archive, verify_crcs
@@ -550,7 +550,7 @@ def _read(path: Path, *, shallow: bool = False) -> tuple[Checkpoint, _Seen]:
         # the usual form: one entry per group index, with its parameter names
         ckpt.objects["optim.param_groups"] = [groups[k] for k in sorted(groups, key=lambda k: (0, int(k), "") if k.isdigit() else (1, 0, k))]
     elif groups:
-        ckpt.objects["optim.param_groups"] = _regroup(groups)
+        ckpt.objects["optim.param_groups"] = regroup(groups)
     return ckpt, seen
 
 
@@ -586,21 +586,3 @@ def _check_crcs(archives: list[TorchArchive]) -> None:
                 verify_crcs(a, [k])  # raises, naming the file, the item and the entry
 
 
-def _regroup(per_param: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """get_state_dict stores each parameter's group hyper-parameters under its
-    name; parameters whose hyper-parameters (and listed ``params``) agree are one
-    group, in order of first appearance."""
-    groups: list[dict[str, Any]] = []
-    for fqn, hyper in per_param.items():
-        listed = hyper.get("params")
-        h = {k: v for k, v in hyper.items() if k != "params"}
-        for g in groups:
-            same_members = listed is None or g.get("_listed") == listed
-            if same_members and {k: v for k, v in g.items() if k not in ("params", "_listed")} == h:
-                g["params"].append(fqn)
-                break
-        else:
-            groups.append({**h, "params": [fqn], "_listed": listed})
-    for g in groups:
-        g.pop("_listed")
-    return groups

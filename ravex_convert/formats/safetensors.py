@@ -27,6 +27,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexErr
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize, numel
 from ..plan import OutFile, WritePlan, run
+from ..ties import config_ties
 
 __all__ = ["DTYPES", "INDEX_NAME", "describe", "read", "read_header", "sniff"]
 
@@ -243,6 +244,7 @@ def _read(path: Path) -> tuple[Checkpoint, _Listing]:
                               ("a stored tensor has that name" if MODEL + alias in ckpt.tensors else f"no tensor '{target}'") + ")")
             continue
         ckpt.aliases[MODEL + alias] = MODEL + target
+    config_ties(ckpt, path if path.is_dir() else path.parent)  # a Hugging Face save: the head its config ties and its files leave out
     return ckpt, listing
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import page_residue
-from .._layout import layout_of, optimizer_tree, place
+from .._layout import SOURCE_KEY, StateLayout, layout_of, optimizer_tree, place, unflatten_optimizer
 from .._output import Options, out_dtype
 from .._paths import inside
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
@@ -72,8 +72,10 @@ def find_model_and_optimizer(root: Any) -> tuple[str | None, dict[str, Any] | No
     if not isinstance(root, dict):
         return None, None, None, None
     model_key = next((k for k in _MODEL_KEYS if _is_state_dict(root.get(k))), None)
-    optim_key = next((k for k in _OPTIM_KEYS if isinstance(root.get(k), dict) and "state" in root[k]), None)
+    optim_key = next((k for k in _OPTIM_KEYS if isinstance(root.get(k), dict) and ("state" in root[k] or unflatten_optimizer(root[k]))), None)
     optim = root[optim_key] if optim_key else None
+    if optim is not None and "state" not in optim:
+        optim = unflatten_optimizer(optim)  # torch.distributed.checkpoint's flatten_optimizer_state_dict form (torchtitan)
     if optim is None and isinstance(root.get("optimizer_states"), list) and root["optimizer_states"]:
         optim_key, optim = "optimizer_states[0]", root["optimizer_states"][0]
     return model_key, (root[model_key] if model_key else None), optim_key, optim
@@ -296,6 +298,10 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
     variant = "state_dict" if model_key is None else ("training_state" if optim is not None else "model")
     found = _Found(file, variant, model_key, sd, optim_key, optim)
     ckpt = Checkpoint("torch_save", file, world_size=1, step=_step(archive, root, optim))
+    if model_key is not None and optim_key is not None and optim_key != "optimizer_states[0]" and "state" not in root[optim_key]:
+        # A flattened optimizer (flatten_optimizer_state_dict: a torchtitan DCP written out as torch.save, by Ravex too):
+        # a torch_save or DCP output keeps it where it was, flattened, so the code that wrote it loads it.
+        ckpt.source[SOURCE_KEY] = StateLayout((model_key,), (optim_key,), True).to_json()
     if not any(_marked(ref) for ref in sd.values()):
         ckpt.notes.append(NO_PARAM_MARKS)
     state = (optim.get("state") or {}) if optim is not None else {}
