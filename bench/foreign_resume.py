@@ -67,7 +67,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,31 +74,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import dist_runtime as DR
 import make_checkpoints as MC
 import run as R
+from dist_runtime import med
 
 DOC = os.path.join(R.ROOT, "docs", "benchmarks-foreign-resume.md")
 OUT = os.path.join(R.HERE, "out", "foreign-resume-results.json")
 SIDES = ("deepspeed", "ravex", "ravex_off")
 ROWS = 64  # the DataLoader's dataset: enough for the first batch after the skipped samples
 NO_CHECKPOINT = 1_000_000  # RAVEX_CHECKPOINT_EVERY: nothing written while timing
-
-
-def zero3_config(ws: int) -> dict:
-    """The DeepSpeed configuration make_checkpoints.py saves the ZeRO-3 checkpoint with (copied: it
-    is inline there): the same buckets and sub-groups, so DeepSpeed's load partitions as the save did."""
-    return {
-        "train_batch_size": MC.BATCH_PER_RANK * ws,
-        "train_micro_batch_size_per_gpu": MC.BATCH_PER_RANK,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True}},
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
-                              "sub_group_size": 100_000_000},
-        "bf16": {"enabled": False},
-        "steps_per_print": 1000,
-        "wall_clock_breakdown": False,
-    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,7 +147,7 @@ def child_deepspeed(a, out: dict) -> None:
     deepspeed.init_distributed()
     rank, ws = dist.get_rank(), dist.get_world_size()
     out.update(rank=rank, world_size=ws)
-    cfg = zero3_config(ws)
+    cfg = MC.zero3_config(ws)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = MC.build_model(a.layers)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -412,16 +396,8 @@ def verify(res: dict) -> list[str]:
     return problems
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else math.nan
-
-
 def fmt(xs: list[float], unit: str = "s", nd: int = 2) -> str:
-    if not xs:
-        return "—"
-    if len(xs) == 1:
-        return f"{xs[0]:.{nd}f} {unit}"
-    return f"{med(xs):.{nd}f} {unit} [{min(xs):.{nd}f}–{max(xs):.{nd}f}]"
+    return DR.fmt(xs, unit, nd)
 
 
 def mib(kb: float) -> str:

@@ -137,14 +137,9 @@ def batch(rank: int):
     return torch.randn(BATCH_PER_RANK, WIDTH, generator=g)
 
 
-def worker_zero3(out: str, layers: int) -> None:
-    import deepspeed
-    import torch.distributed as dist
-
-    deepspeed.init_distributed()
-    ws = dist.get_world_size()
-    assert ws == WORLD_SIZE, ws
-    cfg = {
+def zero3_config(ws: int) -> dict:
+    """The DeepSpeed configuration of the ZeRO-3 checkpoint (bench/foreign_resume.py loads it with the same)."""
+    return {
         "train_batch_size": BATCH_PER_RANK * ws,
         "train_micro_batch_size_per_gpu": BATCH_PER_RANK,
         "gradient_accumulation_steps": 1,
@@ -160,6 +155,16 @@ def worker_zero3(out: str, layers: int) -> None:
         "steps_per_print": 1000,
         "wall_clock_breakdown": False,
     }
+
+
+def worker_zero3(out: str, layers: int) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed()
+    ws = dist.get_world_size()
+    assert ws == WORLD_SIZE, ws
+    cfg = zero3_config(ws)
     # zero.Init partitions each parameter as soon as its layer is built: no rank ever holds
     # the whole model (it would cost 1.7 GB per rank at the 5 GB size).
     with deepspeed.zero.Init(config_dict_or_path=cfg):

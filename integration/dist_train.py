@@ -85,7 +85,7 @@ def digest(weights: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for k in sorted(weights):
         h.update(k.encode())
-        h.update(weights[k].view(torch.uint8).numpy().tobytes())
+        h.update(weights[k].reshape(-1).view(torch.uint8).numpy().tobytes())  # the same bytes; a 0-d tensor too
     return h.hexdigest()
 
 

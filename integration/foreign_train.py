@@ -30,7 +30,6 @@ itself (rank 0 first: torchrun tears the others down).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -43,8 +42,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # python -P leaves the script's own directory out
 
 import model as M
+from dist_train import digest, full_weights  # the same weights' hash as integration/test_dist_runtime.py's script
 
 import ravex
 
@@ -64,25 +65,6 @@ class Rows(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
         if self.noise:
             x[int(torch.randint(0, M.SEQ, ()))] = int(torch.randint(0, M.VOCAB, ()))
         return x, y, i
-
-
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    out = {}
-    for name, t in inner.state_dict().items():
-        t = t.detach()
-        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous().clone()
-    return out
-
-
-def digest(weights: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(weights):
-        h.update(k.encode())
-        h.update(weights[k].reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def dump(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, path: str) -> None:
