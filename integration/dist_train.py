@@ -9,6 +9,8 @@ directory:
   <sha256 of the full weights before the step, 16 hex digits>``. The epoch is where
   Ravex keeps the DistributedSampler (the script's own counter restarts with it);
   the weights before the step say what a resumed run started from.
+- after the first step of a resumed run: ``resumed-<tag>-rank<r>.json``, ``ravex.status()``
+  (with the bytes of the checkpoint this rank read);
 - at the end (rank 0): ``out-<tag>.json`` (the full weights' sha256 and the step)
   and ``weights-<tag>.safetensors`` (the full weights under the plain model's names).
 
@@ -145,6 +147,9 @@ def train(opts: dict[str, Any]) -> None:
                 sched.step()
                 steps += 1
                 s = ravex.step() if ravex.is_active() else steps
+                if steps == 1 and ravex.is_active() and ravex.status().get("resumed_bytes_read") is not None:
+                    with open(f"resumed-{tag}-rank{rank}.json", "w") as f:  # what this rank read of the checkpoint it resumed from
+                        json.dump(ravex.status(), f)
                 log.write(f"{s} {loss.item().hex()} {','.join(str(i) for i in idx.tolist())} {sampler.epoch} {before}\n")
                 log.flush()
                 if KILL_AT and s == KILL_AT and KILL_RANK == str(rank):

@@ -418,6 +418,22 @@ RESHARD = {f"{mode}-{a}to{b}": (mode, a, b, 6 if a == 2 else 3)
            for mode, a, b in (("ddp-fu", 2, 3), ("fsdp2-gather", 2, 3), ("fsdp2-gather", 3, 2), ("fsdp2-per_rank", 3, 2))}
 
 
+def assert_read_own_part(tmp: Path, tag: str, nproc: int, store: Path, mode: str) -> None:
+    """At the resume each rank read its own part of a sharded model's weights and optimizer state
+    (its rows of every tensor), not all of it: about 1/nproc (torch.chunk rounds rows up, and
+    0-d steps are read whole); under DDP, all of it."""
+    from ravex_convert.formats import native
+
+    c = native.read(store, -1)
+    total = sum(t.nbytes for n, t in c.tensors.items() if n.startswith(("model/", "optim/")))
+    for r in range(nproc):
+        got = json.loads((tmp / f"resumed-{tag}-rank{r}.json").read_text())["resumed_bytes_read"]
+        if mode.startswith("fsdp2"):
+            assert 0 < got < total * (1 / nproc + 0.15), f"rank {r} read {got} of the checkpoint's {total} bytes"
+        else:
+            assert got >= total * 0.9, f"rank {r} read {got} of {total} bytes (DDP: every rank holds it whole)"
+
+
 def assert_epoch_covered_once(epoch: int, parts: list[Line], new_ws: int) -> None:
     """The samples of ``epoch`` over the lines given (before the checkpoint at the old world size,
     after it at the new one): every sample once; a sample twice only as the sampler's padding, in
@@ -457,6 +473,7 @@ def test_resume_at_another_world_size(case: str, tmp_path: Path) -> None:
     # The uninterrupted continuation: it started after the checkpoint on every rank, from its weights,
     # and the epoch in progress is trained on once, samples before and after the change together.
     assert_resumed_after(done_ref, tmp_path, "bref", b, {}, ckpt)
+    assert_read_own_part(tmp_path, "bref", b, store, mode)
     cont = {r: by_step(read_log(tmp_path, "bref", r), f"{b}-rank continuation, rank {r}") for r in range(b)}
     for r in range(b):
         assert sorted(cont[r]) == list(range(ckpt + 1, MAX_STEPS + 1)), f"rank {r}: steps {sorted(cont[r])}"

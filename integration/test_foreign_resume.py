@@ -92,22 +92,38 @@ def lines(tmp: Path, tag: str, rank: int) -> list[dict[str, Any]]:
     return [json.loads(t) for t in path.read_text().splitlines()] if path.exists() else []
 
 
-def true_state(fixture: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def true_state(data: Path, fixture: str) -> tuple[dict[str, Any], dict[str, Any]]:
     from safetensors.torch import load_file
 
-    ref = DATA / fixture / "reference"
+    ref = data / fixture / "reference"
     return load_file(ref / "true_state.safetensors"), json.loads((ref / "true_state.json").read_text())
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.tag)
 def test_resume_follows_the_saved_runs_continuation(tmp_path: Path, case: Case) -> None:
+    check_continuation(tmp_path, case, DATA)
+
+
+def test_a_checkpoint_deepspeed_writes_now(tmp_path: Path) -> None:
+    """Not the bundled files: DeepSpeed (CPU, gloo, ZeRO-3, world size 2) trains the fixtures'
+    model and saves here and now (fixtures/generate.py, which also records the true state and
+    DeepSpeed's own continuation), and the decorated FSDP2 script resumes it at 3 ranks."""
+    sys.path.insert(0, str(REPO / "fixtures"))
+    import generate
+
+    ok_, why = generate.generate("zero3_ws2_fp32", str(tmp_path), data=str(tmp_path / "data"))
+    assert ok_, why
+    check_continuation(tmp_path, Case("zero3_ws2_fp32", "fsdp2", 3), tmp_path / "data")
+
+
+def check_continuation(tmp_path: Path, case: Case, data: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
     done = launch(tmp_path, case.tag, case.wrap, case.nproc, {"steps": 6, "dump": True, "precision": case.precision},
-                  {"RAVEX_RESUME_FROM": str(DATA / case.fixture / "checkpoint"), "RAVEX_CHECKPOINT_EVERY": "100"})
+                  {"RAVEX_RESUME_FROM": str(data / case.fixture / "checkpoint"), "RAVEX_CHECKPOINT_EVERY": "100"})
     assert done.returncode == 0, done.stderr[-6000:]
-    true, meta = true_state(case.fixture)
+    true, meta = true_state(data, case.fixture)
 
     # the state put in, whole, before any step
     restored = load_file(tmp_path / f"restored-{case.tag}.safetensors")

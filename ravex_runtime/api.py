@@ -201,13 +201,14 @@ def deactivate() -> None:
 
 
 def status() -> dict[str, Any]:
-    """Where this run stands: active, step, store, the checkpoint it resumed from, the last one written."""
+    """Where this run stands: active, step, store, the checkpoint it resumed from (and the bytes of it this
+    rank read: its own part of a sharded model's), the last one written."""
     rt = _current
     if rt is None:
         return {"active": False, "step": 0}
     return {"active": bool(rt.active), "step": rt.step, "store": str(rt.store), "run_id": rt.run_id, "resumed_from": rt.resumed_index,
-            "resumed_step": rt.start_step if rt.resume_label else None, "last_index": rt.last_index, "checkpoints_written": rt.writes,
-            "error": rt.error}
+            "resumed_step": rt.start_step if rt.resume_label else None, "resumed_bytes_read": rt.session.resume_bytes_read,
+            "last_index": rt.last_index, "checkpoints_written": rt.writes, "error": rt.error}
 
 
 def restore(path: str | Path | None = None, index: int = -1, *, weights_only: bool = False) -> int:

@@ -167,6 +167,7 @@ class _Reads:
         self.f = f
         self.items: list[tuple[LogicalTensor, Region, bytearray | memoryview, str | None]] = []
         self.cast: list[str] = []
+        self.nbytes = 0  # read by run()
         self._into: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # live memory already read into (a tied tensor's second name)
 
     def like(self, t: LogicalTensor, live: torch.Tensor, what: str, *, into_live: bool = False) -> torch.Tensor:
@@ -228,6 +229,7 @@ class _Reads:
         from ravex_convert._engine import read_parts
 
         read_parts(self.items, threads=max(1, (os.cpu_count() or 1) // local_size()))
+        self.nbytes = sum(len(view) for _, _, view, _ in self.items)  # model and optimizer tensors: all a foreign read takes
         self.items = []
 
 
@@ -239,6 +241,11 @@ class Adapted:
     ckpt: Checkpoint
     tensors: dict[str, torch.Tensor]
     fill: Callable[[], None]
+    reads: _Reads
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reads.nbytes
 
 
 # ---------------------------------------------------------------- adapt
@@ -281,7 +288,7 @@ def adapt(f: Foreign, live: Tracked, rank: int) -> Adapted:
         objs["grad_scaler" if i == 0 else f"grad_scaler.{i}"] = sc.state_dict()
     out = Checkpoint(f"foreign:{f.format}", f.path, world_size=ckpt.world_size, step=None if weights_only else step, objects=objs,
                      source={"weights_only": weights_only})
-    return Adapted(out, tensors, reads.run)
+    return Adapted(out, tensors, reads.run, reads)
 
 
 def _optimizer(f: Foreign, live: Tracked, names: dict[str, str], reads: _Reads, tensors: dict[str, torch.Tensor], objs: dict[str, Any]) -> None:

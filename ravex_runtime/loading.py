@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,17 +14,21 @@ from ravex_convert.model import MODEL, OPTIM, Checkpoint
 
 from .state import tensor_view
 
-__all__ = ["TS_FILE", "load_checkpoint", "load_torch_save", "torch_save_files"]
+__all__ = ["TS_FILE", "is_lazy", "load_checkpoint", "load_torch_save", "read_for", "torch_save_files"]
 
 
-def load_checkpoint(path: Path, index: int = -1) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
+def load_checkpoint(path: Path, index: int = -1, *, lazy: bool = False) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
     """A checkpoint of a native store (checksums verified) and its tensors, each
-    read by the Rust executor straight into a new CPU tensor (one job for all)."""
+    read by the Rust executor straight into a new CPU tensor (one job for all).
+    ``lazy``: no tensor is read (the dict is empty): a rank of a sharded run reads its
+    own part when the live objects exist (:func:`read_for`)."""
     from ravex_convert._engine import read_many
     from ravex_convert.formats import native
 
     ckpt = native.read(path, index)
     native.verify_chunks(ckpt)
+    if lazy:
+        return ckpt, {}
     tensors: dict[str, torch.Tensor] = {}
     for name, t in ckpt.tensors.items():
         tensors[name] = torch.empty(tuple(t.shape), dtype=getattr(torch, t.dtype))
@@ -31,6 +36,65 @@ def load_checkpoint(path: Path, index: int = -1) -> tuple[Checkpoint, dict[str, 
     for alias, target in ckpt.aliases.items():
         tensors[alias] = tensors[target]
     return ckpt, tensors
+
+
+def is_lazy(ckpt: Checkpoint, tensors: dict[str, torch.Tensor]) -> bool:
+    """``tensors`` are still to be read (:func:`load_checkpoint` with ``lazy``)."""
+    return bool(ckpt.tensors) and not tensors
+
+
+def read_for(ckpt: Checkpoint, live: Any) -> tuple[dict[str, torch.Tensor], int]:
+    """The tensors of a (lazily loaded) checkpoint as this rank restores them: where the live
+    counterpart is an FSDP2 shard (a DTensor on a Shard/Replicate mesh, on the CPU), only its rows,
+    as a DTensor laid out like it; everything else whole. The model's tensors are matched by name,
+    the first optimizer's state by parameter name and shape. Also the bytes of model and optimizer
+    tensors read (the part that is sharded; the small state is read whole by every rank)."""
+    import os
+
+    from ravex_convert._dist import local_size
+    from ravex_convert._engine import read_parts
+    from ravex_convert.model import Box, Region
+
+    from .state import _is_dtensor
+
+    model = live.models[0] if live.models else None
+    sd = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)} if model is not None else {}
+    params: dict[str, torch.Tensor] = {}
+    for i, m in enumerate(live.models):
+        for n, p in m.named_parameters(remove_duplicate=False):
+            params.setdefault(n if i == 0 else f"model{i}.{n}", p)
+    items: list[tuple[Any, Region, Any, str | None]] = []
+    out: dict[str, torch.Tensor] = {}
+    for name, t in ckpt.tensors.items():
+        like: Any = None
+        if name.startswith(MODEL):
+            like = sd.get(name[len(MODEL):])
+        elif name.startswith(OPTIM) and name.count("/") >= 2:
+            like = params.get(name.split("/", 2)[2])
+        dtype = getattr(torch, t.dtype)
+        region: Region = t.whole()
+        value: torch.Tensor
+        if like is not None and _is_dtensor(like) and like.device.type == "cpu" and tuple(like.shape) == tuple(t.shape):
+            from torch.distributed.tensor import DTensor, Replicate, Shard
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            if all(type(p) in (Shard, Replicate) for p in like.placements):
+                shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+                buf = torch.empty(tuple(shape), dtype=dtype)
+                region = Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
+                value = DTensor.from_local(buf, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+                if buf.numel():
+                    items.append((t, region, tensor_view(buf), None))
+                out[name] = value
+                continue
+        buf = torch.empty(tuple(t.shape), dtype=dtype)
+        if buf.numel():
+            items.append((t, region, tensor_view(buf), None))
+        out[name] = buf
+    read_parts(items, threads=max(1, (os.cpu_count() or 1) // local_size()))
+    for alias, target in ckpt.aliases.items():
+        out[alias] = out[target]
+    return out, sum(len(view) for t, _, view, _ in items if t.name.startswith((MODEL, OPTIM)))
 
 
 TS_FILE = re.compile(r"\.?ckpt-\d{8}\.pt.*")

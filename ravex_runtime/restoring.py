@@ -30,7 +30,7 @@ from ravex_convert.model import MODEL, OBJ, OPTIM, Checkpoint
 
 from .errors import ResumeError
 from .foreign import ORIGIN_KEY, Adapted, Foreign, adapt, is_foreign, open_foreign
-from .loading import load_checkpoint, load_torch_save, torch_save_files
+from .loading import is_lazy, load_checkpoint, load_torch_save, read_for, torch_save_files
 from .sampler import LoaderState, generators_of
 from .state import Tracked, is_fsdp1, restore_rng, unflatten
 from .workers import check_states
@@ -605,6 +605,10 @@ class Resume:
         # where the run came from, when it began from a foreign checkpoint (kept in every checkpoint it writes)
         self.origin: dict[str, Any] | None = None
         self.share: tuple[int, int] | None = None  # (rank, world size): the checksums this rank checks, of a foreign one
+        # a rank of a job on many ranks: a native checkpoint's tensors are read when the live objects
+        # exist, each rank its own rows of the sharded ones (loading.read_for), not whole at the start
+        self.lazy = False
+        self.bytes_read: int | None = None  # of the checkpoint restored, what this rank read (lazy and foreign ones)
 
     def restore(self, live: Tracked, rank: int | None = None) -> int | None:
         """Put ``pending`` into ``live``, all or nothing; one that does not fit is reported and the one
@@ -619,10 +623,13 @@ class Resume:
                     ckpt, tensors = fitted.ckpt, fitted.tensors
                     p = plan(live, ckpt, tensors, bool(ckpt.source.get("weights_only")), self.label)
                     fitted.fill()
+                    self.bytes_read = fitted.bytes_read
                     step = apply_plan(p, self.label, undo=False)
                 else:
                     if rank is not None:
                         ckpt = for_rank(ckpt, rank, None)
+                    if is_lazy(ckpt, tensors):
+                        tensors, self.bytes_read = read_for(ckpt, live)
                     step = restore_into(live, ckpt, tensors, weights_only=False, where=self.label)
             except ResumeError:
                 raise
@@ -664,7 +671,7 @@ class Resume:
             elif coord.rank != 0 and (self.pending is None or self.index != index or self.pending[0].step != step):
                 self.pending = None
                 try:
-                    self.pending = (load_checkpoint(self.store, index) if index is not None else self.find(src))
+                    self.pending = (load_checkpoint(self.store, index, lazy=self.lazy) if index is not None else self.find(src))
                 except Exception:  # noqa: BLE001 - whatever it is, this rank gets it from rank 0 below
                     self.pending = None
                 if self.pending is not None and self.pending[0].step != step:
@@ -676,6 +683,8 @@ class Resume:
             if not all(have):
                 # Storage that not every rank sees: rank 0 sends what it loaded.
                 ours = self.pending if coord.rank == 0 else None
+                if ours is not None and is_lazy(*ours):
+                    ours = (ours[0], read_for(ours[0], Tracked())[0])  # whole: the other ranks cannot read it
                 sent = coord.broadcast((ours[0].step, ours[0].objects, ours[0].source, ours[1]) if ours is not None else None)
                 if self.pending is None:
                     ckpt = Checkpoint("native", self.store, step=sent[0], objects=sent[1], source=sent[2])
@@ -693,6 +702,8 @@ class Resume:
                     mine, tensors = fitted.ckpt, fitted.tensors
                 else:
                     mine = for_rank(ckpt, coord.rank, coord.size)
+                    if is_lazy(mine, tensors):
+                        tensors, self.bytes_read = read_for(mine, live)  # this rank's rows of the sharded tensors
                 p = plan(live, mine, tensors, bool(mine.source.get("weights_only")), label)
             except Exception as exc:  # noqa: BLE001 - reported to every rank: nobody restores it
                 err = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
@@ -704,6 +715,7 @@ class Resume:
                 try:
                     if fitted is not None:
                         fitted.fill()
+                        self.bytes_read = fitted.bytes_read
                     restored = apply_plan(p, label, undo=fitted is None)
                 except Exception as exc:  # noqa: BLE001 - told to every rank below
                     failure = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
@@ -762,7 +774,7 @@ class Resume:
             raise RavexError(f"resume_from {src}: neither a Ravex store nor a checkpoint directory of one",
                              hint=f"set resume_from in {source} to a store, a checkpoints/<index> directory, or an index", path=p)
         if isinstance(src, int):
-            ckpt, tensors = load_checkpoint(self.store, src)
+            ckpt, tensors = load_checkpoint(self.store, src, lazy=self.lazy)
             index = ckpt.source.get("index")
             return self._only(index, f"checkpoint {index} (step {ckpt.step}) of {self.store}", (ckpt, tensors))
         if self.backend == "torch_save":
@@ -849,7 +861,7 @@ class Resume:
         for e in reversed(entries):
             index = int(e["index"])
             try:
-                ckpt, tensors = load_checkpoint(store, index)
+                ckpt, tensors = load_checkpoint(store, index, lazy=self.lazy)
             except RavexError as exc:  # CorruptCheckpointError, IncompleteCheckpointError and the rest: skip it
                 log.warning("ravex: checkpoint %s of %s is damaged and is skipped: %s", index, store, exc)
                 self.skipped(store, index, exc.message)

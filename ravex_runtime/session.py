@@ -266,6 +266,7 @@ class Session:
         self._resume = Resume(self.path, cfg.backend, cfg.source)
         # every rank reads a foreign checkpoint: each checks the checksums of its share of it
         self._resume.share = (self.rank, self.world_size) if self.world_size > 1 else None
+        self._resume.lazy = self.world_size > 1  # each rank reads its own part of a sharded model's checkpoint
         self._prepared = False
         self._warned_prune = False
         # The writer: one snapshot queued while one is written; buffers of the last snapshot written,
@@ -868,6 +869,11 @@ class Session:
     def resumed_index(self) -> int | None:
         """The index in this store of the checkpoint restored (or being tried); None when it is not one of this store's."""
         return self._resume.index
+
+    @property
+    def resume_bytes_read(self) -> int | None:
+        """Of the checkpoint restored, the bytes this rank read (a rank of a sharded run reads its own rows); None when unknown."""
+        return self._resume.bytes_read
 
     @property
     def resume_label(self) -> str:

@@ -65,4 +65,4 @@ def test_param_names_name_a_position_keyed_optimizer(tmp_path: Path) -> None:
     res = run_ravex("verify", src, tmp_path / "named.pt", "--param-names", tmp_path / "names.txt", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
-    assert doc["identical"] and doc["compared"] == 42 + 1 + 3 * 37  # the weights (one tied name), each parameter's 3 states
+    assert doc["identical"] and doc["compared"] == 42 + 3 * 37  # the 42 weights (the tied name among them), each parameter's 3 states
