@@ -577,14 +577,7 @@ def main() -> None:
                 R.rm(os.path.join(work, f"store-{mode}-fresh-other"))
     finally:
         res["total_s"] = time.monotonic() - t_start
-        os.makedirs(os.path.dirname(OUT), exist_ok=True)
-        with open(OUT, "w") as f:
-            json.dump(res, f, indent=1)
-        if own_dir and not a.keep:
-            R.rm(work)
-        elif not a.keep:
-            for x in os.listdir(work):
-                R.rm(os.path.join(work, x))
+        R.save_results(res, OUT, work, own_dir, a.keep)
     text = render(res)
     if a.doc:
         with open(a.doc, "w") as f:

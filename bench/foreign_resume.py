@@ -100,16 +100,6 @@ def mem_kb() -> dict[str, int]:
     return got
 
 
-def reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0), so the next reading is the peak of what follows."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def digest(t) -> dict:
     """sha256 of a tensor's bytes (flattened, contiguous) with its element count and dtype."""
     t = t.detach().contiguous().reshape(-1)
@@ -129,7 +119,7 @@ def timed_call(out: dict, key: str, fn):
     dist.barrier()
     before = mem_kb()
     out["mem_before_kb"] = before  # VmHWM here: the process's peak so far (start-up, model build)
-    out["hwm_reset"] = reset_hwm()
+    out["hwm_reset"] = R.reset_peak()
     t = time.perf_counter()
     got = fn()
     out[key] = time.perf_counter() - t
@@ -685,14 +675,7 @@ def main() -> None:
         res["cp"] = [] if problems else time_cp(a, work)
     finally:
         res["total_s"] = time.monotonic() - t_start
-        os.makedirs(os.path.dirname(OUT), exist_ok=True)
-        with open(OUT, "w") as f:
-            json.dump(res, f, indent=1)
-        if own_dir and not a.keep:
-            R.rm(work)
-        elif not a.keep:
-            for x in os.listdir(work):
-                R.rm(os.path.join(work, x))
+        R.save_results(res, OUT, work, own_dir, a.keep)
     problems = verify(res)
     if problems:
         sys.exit("foreign_resume: Ravex's resume does not match DeepSpeed's load (or a run failed); no numbers, no report:\n  "

@@ -273,6 +273,28 @@ def rm(path: str) -> None:
         os.remove(path)
 
 
+def reset_peak() -> bool:
+    """Start this process's ``VmHWM`` again from its current RSS (Linux >= 4.0), so the next reading is the peak of what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def save_results(res: dict, out: str, work: str, own_dir: bool, keep: bool) -> None:
+    """Write the raw results to ``out`` and clear the work directory (all of it when the bench made it)."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    if own_dir and not keep:
+        rm(work)
+    elif not keep:
+        for x in os.listdir(work):
+            rm(os.path.join(work, x))
+
+
 def path_bytes(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)

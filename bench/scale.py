@@ -54,6 +54,9 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import run as R
 
 from ravex_convert import _core
 from ravex_convert._engine import CopyJob
@@ -244,16 +247,6 @@ def _status() -> dict[str, int]:
         return {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", f.read(), re.MULTILINE)}
 
 
-def _reset_peak() -> bool:
-    """Start ``VmHWM`` again from the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _args_only(job: CopyJob) -> float:
     """Seconds ``plan_summary`` spends taking its arguments from Python (under the GIL): the same call with the
     first source renamed to a missing file, which fails at the first step after the arguments are converted
@@ -285,7 +278,7 @@ def measure(key: str, target: str, runs: int, workdir: Path) -> dict[str, Any]:
 
     def rust(job: CopyJob) -> dict[str, Any]:
         before = _status()["VmRSS"]
-        _reset_peak()
+        R.reset_peak()
         t0 = time.perf_counter()
         summary = dict(_core.plan_summary(job.sources, job.targets, job.tensors))
         rust_peak["s"] = int((time.perf_counter() - t0) * 1e9)
@@ -300,7 +293,7 @@ def measure(key: str, target: str, runs: int, workdir: Path) -> dict[str, Any]:
             break  # a plan this slow is timed once: the 405B DCP plan takes minutes here
         gc.collect()
         before = _status()["VmRSS"]
-        ok = _reset_peak()
+        ok = R.reset_peak()
         t0 = time.perf_counter()
         out = PLANS[target](ckpt, shape.dst_ws, rust)
         times.append(time.perf_counter() - t0)
