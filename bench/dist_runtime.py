@@ -515,11 +515,7 @@ def main() -> None:
             res.setdefault("observations", []).extend(a.note)
             with open(a.render, "w") as f:
                 json.dump(res, f, indent=1)
-        text = render(res)
-        if a.doc:
-            with open(a.doc, "w") as f:
-                f.write(text)
-        print(text)
+        R.publish(render(res), a.doc)
         return
     a.width = width_for(a.params, a.layers)
     if a.kill_at < a.resume_every:
@@ -578,13 +574,7 @@ def main() -> None:
     finally:
         res["total_s"] = time.monotonic() - t_start
         R.save_results(res, OUT, work, own_dir, a.keep)
-    text = render(res)
-    if a.doc:
-        with open(a.doc, "w") as f:
-            f.write(text)
-    print()
-    print(text)
-    R.log(f"raw numbers: {OUT}" + (f"; report: {a.doc}" if a.doc else ""))
+    R.publish(render(res), a.doc, OUT)
 
 
 if __name__ == "__main__":

@@ -630,11 +630,7 @@ def main() -> None:
             res.setdefault("observations", []).extend(a.note)
             with open(a.render, "w") as f:
                 json.dump(res, f, indent=1)
-        text = render(res)
-        if a.doc:
-            with open(a.doc, "w") as f:
-                f.write(text)
-        print(text)
+        R.publish(render(res), a.doc)
         return
     t_start = time.monotonic()
     own_dir = a.dir is None
@@ -680,13 +676,7 @@ def main() -> None:
     if problems:
         sys.exit("foreign_resume: Ravex's resume does not match DeepSpeed's load (or a run failed); no numbers, no report:\n  "
                  + "\n  ".join(problems[:20]) + f"\nraw results: {OUT}")
-    text = render(res)
-    if a.doc:
-        with open(a.doc, "w") as f:
-            f.write(text)
-    print()
-    print(text)
-    R.log(f"raw numbers: {OUT}" + (f"; report: {a.doc}" if a.doc else ""))
+    R.publish(render(res), a.doc, OUT)
 
 
 if __name__ == "__main__":

@@ -283,6 +283,17 @@ def reset_peak() -> bool:
         return False
 
 
+def publish(text: str, doc: str | None, out: str | None = None) -> None:
+    """The report: into ``doc`` (when given) and on stdout; then where the raw numbers (``out``) are."""
+    if doc:
+        with open(doc, "w") as f:
+            f.write(text)
+    print()
+    print(text)
+    if out:
+        log(f"raw numbers: {out}" + (f"; report: {doc}" if doc else ""))
+
+
 def save_results(res: dict, out: str, work: str, own_dir: bool, keep: bool) -> None:
     """Write the raw results to ``out`` and clear the work directory (all of it when the bench made it)."""
     os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -21,7 +21,11 @@ from typing import Any
 from .errors import CorruptCheckpointError
 from .model import TensorLink
 
-__all__ = ["KEYS", "Key", "check", "key_of"]
+__all__ = ["KEYS", "RESUMED_FROM", "Key", "check", "key_of"]
+
+# A key of ``extra`` in every checkpoint the runtime writes for a run that began from another
+# program's checkpoint (``resume_from``): ``{"format", "path", "step"}`` of that checkpoint.
+RESUMED_FROM = "ravex_resumed_from"
 
 
 def _int(v: Any) -> bool:

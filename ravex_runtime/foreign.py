@@ -25,17 +25,18 @@ when a foreign checkpoint cannot be put in), so no copy of the live state is kep
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ravex_convert._names import prefix_hint, prefix_match
 from ravex_convert.errors import LayoutMismatchError, RavexError
-from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint, LogicalTensor, Region
+from ravex_convert.model import MODEL, OPTIM, Checkpoint, LogicalTensor, Region
+from ravex_convert.objects import RESUMED_FROM
 
+from .loading import as_shard, read_regions, shard_box
 from .state import Tracked, _is_dtensor, is_fsdp1, tensor_view
 
 __all__ = ["ORIGIN_KEY", "Adapted", "Foreign", "adapt", "is_foreign", "open_foreign"]
@@ -44,7 +45,7 @@ log = logging.getLogger("ravex")
 
 # In every checkpoint a run resumed from a foreign one writes (objects["extra"]): where it came
 # from. A later start with the same resume_from continues from the store instead.
-ORIGIN_KEY = "ravex_resumed_from"
+ORIGIN_KEY = RESUMED_FROM
 
 # Settings of torch.optim that choose an implementation, not the training: the live ones are kept.
 _IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -94,11 +95,7 @@ def open_foreign(src: str, share: tuple[int, int] | None = None) -> Foreign:
     if d.format == "native":
         raise RavexError(f"resume_from {src}: a Ravex store's file, not the store", hint="point resume_from at the store directory", path=d.path)
     fmt = registry.get(d.format)
-    if d.format == "zero" and share is not None:
-        from ravex_convert.formats import zero
-
-        return Foreign(d.path, d.format, zero.read(d.path, crc_share=share))
-    return Foreign(d.path, d.format, fmt.read(d.path))
+    return Foreign(d.path, d.format, fmt.read(d.path, **fmt.given(crc_share=share)))
 
 
 def _mismatch(f: Foreign, what: str, hint: str) -> LayoutMismatchError:
@@ -120,15 +117,14 @@ def name_map(f: Foreign, saved: list[str], live: list[str], tied: dict[str, str]
     tied = tied or {}
     try:
         return _name_map(f, saved, live)
-    except LayoutMismatchError:
+    except LayoutMismatchError as exc:
         rest = [n for n in live if n not in tied]
         if len(rest) == len(live):
             raise
         try:
             out = _name_map(f, saved, rest)
         except LayoutMismatchError:
-            _name_map(f, saved, live)  # the error naming every live name
-            raise
+            raise exc from None  # the error naming every live name
         return {**out, **{n: out[first] for n, first in tied.items() if first in out}}
 
 
@@ -167,12 +163,12 @@ class _Reads:
         self.f = f
         self.items: list[tuple[LogicalTensor, Region, bytearray | memoryview, str | None]] = []
         self.cast: list[str] = []
-        self.nbytes = 0  # read by run()
-        self._into: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # live memory already read into (a tied tensor's second name)
+        self.nbytes = 0  # read by run(): model and optimizer tensors, all a foreign read takes
+        self._into: set[tuple[int, tuple[int, ...]]] = set()  # live memory already read into (a tied tensor's second name)
 
     def like(self, t: LogicalTensor, live: torch.Tensor, what: str, *, into_live: bool = False) -> torch.Tensor:
-        """A tensor for ``t`` laid out as ``live``: its local shard (a DTensor) where ``live`` is an
-        FSDP2 shard of a plain Shard/Replicate mesh, else the whole tensor, in ``live``'s dtype.
+        """A tensor for ``t`` laid out as ``live``, in ``live``'s dtype: this rank's shard (a DTensor)
+        where ``live`` is an FSDP2 shard (:func:`.loading.shard_box`), else the whole tensor.
         ``into_live``: ``live``'s own memory, where it is a contiguous CPU tensor (then ``live`` is
         returned)."""
         if tuple(t.shape) != tuple(live.shape):
@@ -184,22 +180,15 @@ class _Reads:
                 raise _mismatch(self.f, f"{what} is {t.dtype} in the checkpoint and {dtype} in this run",
                                 "give the tensor the dtype the saved run had")
             self.cast.append(f"{what} {t.dtype} -> {dtype}")
-        on_cpu = live.device.type == "cpu"
-        if _is_dtensor(live) and on_cpu:
-            from torch.distributed.tensor import DTensor, Replicate, Shard
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            d: Any = live
-            if all(type(p) in (Shard, Replicate) for p in d.placements):
-                shape, offset = compute_local_shape_and_global_offset(d.shape, d.device_mesh, d.placements)
-                region = Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
-                mine: torch.Tensor = d._local_tensor
-                if into_live and tuple(mine.shape) == tuple(shape) and mine.is_contiguous():
-                    return self._into_live(t, region, mine, dtype, live)
-                local = torch.empty(tuple(shape), dtype=live.dtype)
-                self._add(t, region, local, dtype)
-                return DTensor.from_local(local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
-        if into_live and on_cpu and not _is_dtensor(live) and live.is_contiguous():
+        box = shard_box(live)
+        if box is not None:
+            mine: torch.Tensor = cast(Any, live)._local_tensor
+            if into_live and tuple(mine.shape) == box.sizes and mine.is_contiguous():
+                return self._into_live(t, box, mine, dtype, live)
+            local = torch.empty(box.sizes, dtype=live.dtype)
+            self._add(t, box, local, dtype)
+            return as_shard(local, live)
+        if into_live and live.device.type == "cpu" and not _is_dtensor(live) and live.is_contiguous():
             return self._into_live(t, t.whole(), live, dtype, live)
         whole = torch.empty(tuple(t.shape), dtype=live.dtype)  # on the CPU: the restore moves it where the live one is
         self._add(t, t.whole(), whole, dtype)
@@ -208,7 +197,7 @@ class _Reads:
     def _into_live(self, t: LogicalTensor, region: Region, memory: torch.Tensor, dtype: str, live: torch.Tensor) -> torch.Tensor:
         key = (memory.data_ptr(), tuple(memory.shape))
         if key not in self._into:
-            self._into[key] = live
+            self._into.add(key)
             self._add(t, region, memory, dtype)
         return live
 
@@ -222,26 +211,22 @@ class _Reads:
             self.items.append((t, region, tensor_view(out), dtype))
 
     def run(self) -> None:
-        """Read everything, with this rank's part of the machine's CPUs (the ranks of a node read at once)."""
-        import os
-
-        from ravex_convert._dist import local_size
-        from ravex_convert._engine import read_parts
-
-        read_parts(self.items, threads=max(1, (os.cpu_count() or 1) // local_size()))
-        self.nbytes = sum(len(view) for _, _, view, _ in self.items)  # model and optimizer tensors: all a foreign read takes
+        read_regions(self.items)
+        self.nbytes = sum(len(view) for _, _, view, _ in self.items)
         self.items = []
 
 
 @dataclass
 class Adapted:
-    """A foreign checkpoint fitted to the live objects. ``tensors`` hold no bytes until ``fill()``
+    """A foreign checkpoint fitted to the live objects. ``tensors`` hold no bytes until :meth:`fill`
     (some of them are the live tensors themselves): call it once the plan is checked."""
 
     ckpt: Checkpoint
     tensors: dict[str, torch.Tensor]
-    fill: Callable[[], None]
     reads: _Reads
+
+    def fill(self) -> None:
+        self.reads.run()
 
     @property
     def bytes_read(self) -> int:
@@ -288,7 +273,7 @@ def adapt(f: Foreign, live: Tracked, rank: int) -> Adapted:
         objs["grad_scaler" if i == 0 else f"grad_scaler.{i}"] = sc.state_dict()
     out = Checkpoint(f"foreign:{f.format}", f.path, world_size=ckpt.world_size, step=None if weights_only else step, objects=objs,
                      source={"weights_only": weights_only})
-    return Adapted(out, tensors, reads.run, reads)
+    return Adapted(out, tensors, reads)
 
 
 def _optimizer(f: Foreign, live: Tracked, names: dict[str, str], reads: _Reads, tensors: dict[str, torch.Tensor], objs: dict[str, Any]) -> None:
@@ -447,7 +432,6 @@ def _schedulers(f: Foreign, live: Tracked, objs: dict[str, Any], step: int | Non
             objs[key] = saved
             continue
         count = _scheduler_steps(saved) if i == 0 else None
-        why = ""
         if count is None:
             count = step
             why = "the checkpoint holds no LR scheduler state; one scheduler step per optimizer step is assumed"

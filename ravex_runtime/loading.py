@@ -14,7 +14,7 @@ from ravex_convert.model import MODEL, OPTIM, Checkpoint
 
 from .state import tensor_view
 
-__all__ = ["TS_FILE", "is_lazy", "load_checkpoint", "load_torch_save", "read_for", "torch_save_files"]
+__all__ = ["TS_FILE", "as_shard", "is_lazy", "load_checkpoint", "load_torch_save", "read_for", "read_regions", "shard_box", "torch_save_files"]
 
 
 def load_checkpoint(path: Path, index: int = -1, *, lazy: bool = False) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
@@ -43,27 +43,56 @@ def is_lazy(ckpt: Checkpoint, tensors: dict[str, torch.Tensor]) -> bool:
     return bool(ckpt.tensors) and not tensors
 
 
-def read_for(ckpt: Checkpoint, live: Any) -> tuple[dict[str, torch.Tensor], int]:
-    """The tensors of a (lazily loaded) checkpoint as this rank restores them: where the live
-    counterpart is an FSDP2 shard (a DTensor on a Shard/Replicate mesh, on the CPU), only its rows,
-    as a DTensor laid out like it; everything else whole. The model's tensors are matched by name,
-    the first optimizer's state by parameter name and shape. Also the bytes of model and optimizer
-    tensors read (the part that is sharded; the small state is read whole by every rank)."""
+def shard_box(like: Any) -> Any:
+    """The box of the global tensor this rank holds of ``like``, an FSDP2 shard (a DTensor on the
+    CPU whose placements are Shard or Replicate: the local shard is one box); None for anything
+    else (read whole, then cut)."""
+    from .state import _is_dtensor
+
+    if like is None or not _is_dtensor(like) or like.device.type != "cpu":
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from ravex_convert.model import Box
+
+    if not all(type(p) in (Shard, Replicate) for p in like.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
+
+
+def as_shard(local: torch.Tensor, like: Any) -> torch.Tensor:
+    """``local`` (this rank's box of the tensor, as :func:`shard_box` gives it) as a DTensor laid out like ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+
+
+def read_regions(items: list[tuple[Any, Any, Any, str | None]]) -> None:
+    """:func:`ravex_convert._engine.read_parts` with this rank's share of the machine's CPUs (the
+    ranks of a node read at once)."""
     import os
 
     from ravex_convert._dist import local_size
     from ravex_convert._engine import read_parts
-    from ravex_convert.model import Box, Region
 
-    from .state import _is_dtensor
+    read_parts(items, threads=max(1, (os.cpu_count() or 1) // local_size()))
 
+
+def read_for(ckpt: Checkpoint, live: Any) -> tuple[dict[str, torch.Tensor], int]:
+    """The tensors of a (lazily loaded) checkpoint as this rank restores them: where the live
+    counterpart is an FSDP2 shard, only its box (:func:`shard_box`), as a DTensor laid out like it;
+    everything else whole. The model's tensors are matched by name, the first optimizer's state by
+    parameter name and shape. Also the bytes of model and optimizer tensors read (the part that is
+    sharded; the small state is read whole by every rank)."""
     model = live.models[0] if live.models else None
     sd = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)} if model is not None else {}
     params: dict[str, torch.Tensor] = {}
     for i, m in enumerate(live.models):
         for n, p in m.named_parameters(remove_duplicate=False):
             params.setdefault(n if i == 0 else f"model{i}.{n}", p)
-    items: list[tuple[Any, Region, Any, str | None]] = []
+    items: list[tuple[Any, Any, Any, str | None]] = []
     out: dict[str, torch.Tensor] = {}
     for name, t in ckpt.tensors.items():
         like: Any = None
@@ -71,27 +100,12 @@ def read_for(ckpt: Checkpoint, live: Any) -> tuple[dict[str, torch.Tensor], int]
             like = sd.get(name[len(MODEL):])
         elif name.startswith(OPTIM) and name.count("/") >= 2:
             like = params.get(name.split("/", 2)[2])
-        dtype = getattr(torch, t.dtype)
-        region: Region = t.whole()
-        value: torch.Tensor
-        if like is not None and _is_dtensor(like) and like.device.type == "cpu" and tuple(like.shape) == tuple(t.shape):
-            from torch.distributed.tensor import DTensor, Replicate, Shard
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            if all(type(p) in (Shard, Replicate) for p in like.placements):
-                shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-                buf = torch.empty(tuple(shape), dtype=dtype)
-                region = Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
-                value = DTensor.from_local(buf, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
-                if buf.numel():
-                    items.append((t, region, tensor_view(buf), None))
-                out[name] = value
-                continue
-        buf = torch.empty(tuple(t.shape), dtype=dtype)
+        box = shard_box(like) if like is not None and tuple(like.shape) == tuple(t.shape) else None
+        buf = torch.empty(tuple(box.sizes if box is not None else t.shape), dtype=getattr(torch, t.dtype))
         if buf.numel():
-            items.append((t, region, tensor_view(buf), None))
-        out[name] = buf
-    read_parts(items, threads=max(1, (os.cpu_count() or 1) // local_size()))
+            items.append((t, box if box is not None else t.whole(), tensor_view(buf), None))
+        out[name] = as_shard(buf, like) if box is not None else buf
+    read_regions(items)
     for alias, target in ckpt.aliases.items():
         out[alias] = out[target]
     return out, sum(len(view) for t, _, view, _ in items if t.name.startswith((MODEL, OPTIM)))

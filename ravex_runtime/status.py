@@ -57,10 +57,10 @@ def _ranks(objs: dict[str, Any]) -> dict[str, Any] | None:
 
 def _began_from(objs: dict[str, Any]) -> dict[str, Any] | None:
     """The other program's checkpoint the run began from (``resume_from``), as it records it."""
-    from .foreign import ORIGIN_KEY
+    from ravex_convert.objects import RESUMED_FROM  # not the runtime's foreign module: `ravex status` imports no torch
 
     extra = objs.get("extra")
-    origin = extra.get(ORIGIN_KEY) if isinstance(extra, dict) else None
+    origin = extra.get(RESUMED_FROM) if isinstance(extra, dict) else None
     return {k: origin.get(k) for k in ("format", "path", "step")} if isinstance(origin, dict) else None
 
 

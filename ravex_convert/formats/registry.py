@@ -38,6 +38,7 @@ OPTIONS: dict[str, Any] = {
     "tag": None,  # which checkpoint of a directory holding several (DeepSpeed tags)
     "index": -1,  # which checkpoint of a store (-1: the newest complete one)
     "param_names": None,  # the parameter names in optimizer order, for position-keyed optimizer state
+    "crc_share": None,  # (r, n): read by every rank of a job, each checks every n-th stored checksum from the r-th (read only)
 }
 
 
@@ -52,7 +53,7 @@ class Format:
     reasons, **options)``: what ``ravex inspect`` says, built from that same
     read (plus the few facts only the layout knows), in the time the metadata
     takes to read. ``options``: which of :data:`OPTIONS` ``read`` and
-    ``describe`` take.
+    ``describe`` take (``crc_share``, a job's split of the checksum work, is ``read``'s alone).
 
     ``writer``: the format's write function, or ``"module:function"`` of a
     module in this package, imported when first used (writers are heavier than
@@ -166,7 +167,7 @@ _BUILTIN = (
     Format("dcp", dcp.sniff, dcp.read, dcp.describe, title="DCP", looks_like=".metadata", writer="dcp_write:write", reshardable=True,
            listed=3),
     Format("zero", zero.sniff, zero.read, zero.describe, title="DeepSpeed ZeRO", looks_like="a directory with 'latest' or *_optim_states.pt",
-           options=frozenset({"tag"}), writer="zero_write:write", reshardable=True, listed=4),
+           options=frozenset({"tag", "crc_share"}), writer="zero_write:write", reshardable=True, listed=4),
     Format("safetensors", safetensors.sniff, safetensors.read, safetensors.describe, title="safetensors", writer="safetensors:write",
            listed=0),
     Format("torch_save", torch_save.sniff, torch_save.read, torch_save.describe, title="torch.save files",
