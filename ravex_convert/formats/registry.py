@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import RavexError
 from ..info import CheckpointInfo
 from ..model import Checkpoint
-from . import dcp, native, safetensors, torch_save, zero
+from . import accelerate, dcp, hf_trainer, native, safetensors, torch_save, zero
 
 __all__ = ["OPTIONS", "Format", "formats", "get", "names", "register", "reshardable", "targets", "unregister"]
 
@@ -168,6 +168,11 @@ _BUILTIN = (
            listed=3),
     Format("zero", zero.sniff, zero.read, zero.describe, title="DeepSpeed ZeRO", looks_like="a directory with 'latest' or *_optim_states.pt",
            options=frozenset({"tag", "crc_share"}), writer="zero_write:write", reshardable=True, listed=4),
+    Format("hf_trainer", hf_trainer.sniff, hf_trainer.read, hf_trainer.describe, title="Hugging Face Trainer checkpoints",
+           looks_like="checkpoint-N/ with trainer_state.json", options=frozenset({"param_names"}), writer="hf_trainer:write", listed=5),
+    Format("accelerate", accelerate.sniff, accelerate.read, accelerate.describe, title="Accelerate save_state directories",
+           looks_like="model.safetensors with optimizer.bin / random_states_0.pkl", options=frozenset({"param_names"}),
+           writer="accelerate:write", listed=6),
     Format("safetensors", safetensors.sniff, safetensors.read, safetensors.describe, title="safetensors", writer="safetensors:write",
            listed=0),
     Format("torch_save", torch_save.sniff, torch_save.read, torch_save.describe, title="torch.save files",

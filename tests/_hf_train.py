@@ -1,0 +1,62 @@
+"""A tiny GPT-2 trained by the Hugging Face Trainer on CPU, for tests/test_hf_trainer.py.
+
+    python -P _hf_train.py OUT MAX_STEPS [RESUME_FROM]
+
+Saves ``checkpoint-N`` every 2 steps (the Trainer's own save), and beside each
+``true_state-N.safetensors``: the live optimizer state at that save, by
+parameter name (``exp_avg/<name>``, ``exp_avg_sq/<name>``), the truth the
+position-keyed ``optimizer.pt`` is checked against. Writes ``final.safetensors``
+(the weights at the end). The model has dropout and the dataset draws from
+torch's global RNG in ``__getitem__``, so a resume that loses the RNG state
+does not reproduce the uninterrupted run. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+VOCAB = 64
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(i))
+        labels = x.clone()
+        labels[torch.rand(8) < 0.25] = -100  # torch's global RNG: lost by a resume that drops rng_state.pth
+        return {"input_ids": x, "labels": labels}
+
+
+class TrueState(TrainerCallback):
+    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):  # type: ignore[no-untyped-def]
+        out: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    out[f"{k}/{name}"] = v.detach().clone()
+        save_file(out, str(Path(args.output_dir) / f"true_state-{state.global_step}.safetensors"))
+
+
+def main() -> None:
+    out, max_steps = sys.argv[1], int(sys.argv[2])
+    resume = sys.argv[3] if len(sys.argv) > 3 else None
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0))
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=max_steps, save_steps=2, use_cpu=True,
+                             report_to=[], logging_steps=1, lr_scheduler_type="linear", warmup_steps=1, learning_rate=1e-3,
+                             weight_decay=0.01, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[TrueState()])
+    trainer.train(resume_from_checkpoint=resume)
+    save_file({n: p.detach().clone() for n, p in model.named_parameters()}, str(Path(out) / "final.safetensors"))
+
+
+if __name__ == "__main__":
+    main()
