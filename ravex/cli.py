@@ -193,6 +193,11 @@ _NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (
               help="dcp, native: number of ranks to shard into (dim 0, torch.chunk sizes, as FSDP2 does).")
 @click.option("--metadata-form", type=click.Choice(["current", "compat"]), default="current", show_default=True,
               help="dcp: 'current' .metadata (torch >= 2.15 reads it) or 'compat' (also torch < 2.15).")
+@click.option("--layout", type=click.Choice(["source", "portable", "lightning", "torchtitan"]), default=None,
+              help="torch_save, dcp: where the model and optimizer go. 'source' (default): where SRC had them (a torch.save "
+                   "source's own keys, a Lightning .ckpt's, a DCP source's nesting), else 'portable' {model, optim}; "
+                   "'lightning' (torch_save): a Lightning .ckpt for LightningModule.load_from_checkpoint; 'torchtitan' (dcp): "
+                   "'model' and a flattened 'optimizer', as torchtitan saves and loads.")
 @_zero_options
 @click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
@@ -208,7 +213,7 @@ _NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_handled
 def convert_cmd(src: str, dst: str, to: str | None, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
-                compression: str | None, world_size: int, metadata_form: str, zero_stage: int | None, precision: str | None,
+                compression: str | None, world_size: int, metadata_form: str, layout: str | None, zero_stage: int | None, precision: str | None,
                 buffers: str | None, hyperparameters: str | None, tag: str | None, index: int, param_names_file: str | None, ties: tuple[str, ...],
                 materialize_ties: bool, force: bool, dry_run: bool, no_sync: bool, as_json: bool, quiet: bool) -> None:
     """Convert the checkpoint at SRC to another format at DST (bit-exact; weights as the fp32 master copy where SRC has one)."""
@@ -219,7 +224,7 @@ def convert_cmd(src: str, dst: str, to: str | None, weights_only: bool, dtype: s
             result = ravex_convert.convert(src, dst, to, tag=tag, index=index, weights_only=weights_only, dtype=dtype,
                                            strip_prefix=strip_prefix, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
                                            compression=compression, world_size=world_size, param_names=names,
-                                           metadata_form=metadata_form, progress=progress, sync=not no_sync, distributed=True,
+                                           metadata_form=metadata_form, layout=layout, progress=progress, sync=not no_sync, distributed=True,
                                            ties=tied, materialize_ties=materialize_ties, **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
     except RavexError as exc:
         _fail(exc)

@@ -6,7 +6,10 @@ Real checkpoints nest it elsewhere: PyTorch's DCP recipe saves
 (so the model sits at ``("app", "model")``); torchtitan saves ``"model"`` and
 ``"optimizer"``, the optimizer flattened by ``get_state_dict(...,
 flatten_optimizer_state_dict=True)`` into ``"state.<fqn>.<name>"`` and
-``"param_groups.<fqn>.<key>"`` entries. A reader records what it found as a
+``"param_groups.<fqn>.<key>"`` entries; a plain ``torch.save`` keeps
+``optimizer.state_dict()`` as torch gives it, keyed by position, and Lightning
+keeps a list of them (``("optimizer_states", 0)``: an int in a path is a list
+index). A reader records what it found as a
 :class:`StateLayout` in ``Checkpoint.source["state_layout"]`` (JSON-able); the
 writers that keep a state tree (DCP, torch_save) put the model and optimizer
 back where the source had them, so the source's own loading code still works.
@@ -18,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SOURCE_KEY", "PathItem", "StateLayout", "layout_of", "merge", "optimizer_tree", "place", "regroup", "unflatten", "unflatten_optimizer"]
+__all__ = ["SOURCE_KEY", "PathItem", "StateLayout", "by_position", "layout_of", "merge", "optimizer_tree", "place", "regroup", "unflatten", "unflatten_optimizer"]
 
 SOURCE_KEY = "state_layout"
 
@@ -28,15 +31,35 @@ PathItem = str | int
 @dataclass(frozen=True)
 class StateLayout:
     """``model``: the path of the model state dict (``()``: the top level);
-    ``optim``: the path of the optimizer state dict; ``optim_flat``: the
-    optimizer is in the flattened form of ``flatten_optimizer_state_dict``."""
+    ``optim``: the path of the optimizer state dict (a str is a dict key, an
+    int a list index); ``optim_flat``: the optimizer is in the flattened form of
+    ``flatten_optimizer_state_dict``; ``optim_by_position``: its state is keyed
+    by integer ids in param-group order, as torch's ``optimizer.state_dict()``
+    writes it, rather than by parameter name; ``optim_names``: such a state's
+    param groups also name their parameters (torch's ``param_names``), where
+    the names had to be given (``--param-names``): the output then says them itself."""
 
     model: tuple[PathItem, ...] = ("model",)
     optim: tuple[PathItem, ...] = ("optim",)
     optim_flat: bool = False
+    optim_by_position: bool = False
+    optim_names: bool = False
+
+    @property
+    def portable(self) -> bool:
+        """Ravex's own ``{"model", "optim"}`` layout, optimizer keyed by name."""
+        return self == StateLayout()
+
+    @property
+    def has_list_index(self) -> bool:
+        return any(isinstance(p, int) for p in (*self.model, *self.optim))
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": list(self.model), "optim": list(self.optim), "optim_flat": self.optim_flat}
+        doc: dict[str, Any] = {"model": list(self.model), "optim": list(self.optim), "optim_flat": self.optim_flat}
+        for flag in ("optim_by_position", "optim_names"):  # only when set: the layouts recorded before them read back unchanged
+            if getattr(self, flag):
+                doc[flag] = True
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any) -> StateLayout:
@@ -49,12 +72,16 @@ class StateLayout:
                 return tuple(v)
             return default
 
-        return cls(path(doc.get("model"), ("model",)), path(doc.get("optim"), ("optim",)) or ("optim",), doc.get("optim_flat") is True)
+        return cls(path(doc.get("model"), ("model",)), path(doc.get("optim"), ("optim",)) or ("optim",), doc.get("optim_flat") is True,
+                   doc.get("optim_by_position") is True, doc.get("optim_names") is True)
 
     def describe(self) -> dict[str, Any]:
         """For ``inspect``: the two paths as DCP keys (dot-joined)."""
-        return {"model": ".".join(map(str, self.model)) or "(top level)", "optimizer": ".".join(map(str, self.optim)),
-                "optimizer_form": "flattened" if self.optim_flat else "nested"}
+        out = {"model": ".".join(map(str, self.model)) or "(top level)", "optimizer": ".".join(map(str, self.optim)),
+               "optimizer_form": "flattened" if self.optim_flat else "nested"}
+        if self.optim_by_position:
+            out["optimizer_keys"] = "position"
+        return out
 
 
 def layout_of(source: dict[str, Any]) -> StateLayout:
@@ -63,6 +90,8 @@ def layout_of(source: dict[str, Any]) -> StateLayout:
 
 def optimizer_tree(layout: StateLayout, state: dict[str, dict[str, Any]], groups: list[Any]) -> dict[str, Any]:
     """The optimizer state dict in the layout's form (``state`` keyed by parameter name)."""
+    if layout.optim_by_position:
+        return by_position(state, groups, names=layout.optim_names)
     if not layout.optim_flat:
         return {"state": state, "param_groups": groups}
     out: dict[str, Any] = {}
@@ -77,6 +106,32 @@ def optimizer_tree(layout: StateLayout, state: dict[str, dict[str, Any]], groups
                 if k != "params":
                     out[f"param_groups.{fqn}.{k}"] = v
     return out
+
+
+def by_position(state: dict[str, dict[str, Any]], groups: list[Any], *, names: bool = False) -> dict[str, Any]:
+    """The optimizer state dict as torch's ``optimizer.state_dict()`` writes it: each
+    parameter an integer id, counted through the param groups in order, ``state``
+    keyed by those ids in id order, each group's ``params`` its ids (last, as torch
+    packs a group); with ``names``, each group's ``param_names`` too, as torch writes
+    them for an optimizer built from ``named_parameters()`` (``load_state_dict``
+    ignores them). Raises ValueError when a parameter with state is in no group
+    (its position is unknown)."""
+    ids: dict[Any, int] = {}
+    packed: list[Any] = []
+    for g in groups:
+        if not isinstance(g, dict):
+            packed.append(g)
+            continue
+        members = list(g.get("params", []))
+        params = [ids.setdefault(fqn, len(ids)) for fqn in members]
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        if names:
+            hyper.setdefault("param_names", members)
+        packed.append({**hyper, "params": params})
+    lost = [fqn for fqn in state if fqn not in ids]
+    if lost:
+        raise ValueError(f"optimizer state for '{lost[0]}', which no param group lists")
+    return {"state": {ids[fqn]: state[fqn] for fqn in sorted(state, key=ids.__getitem__)}, "param_groups": packed}
 
 
 def regroup(per_param: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,21 +187,33 @@ def merge(dst: Any, src: Any) -> Any:
 
 
 def place(root: dict[str, Any], path: tuple[PathItem, ...], value: Any) -> None:
-    """Put ``value`` at ``path`` in ``root`` (dict keys as strings), merging with
-    what is there already (``()``: merged into ``root`` itself)."""
+    """Put ``value`` at ``path`` in ``root``, merging with what is there already
+    (``()``: merged into ``root`` itself). A str is a dict key; an int is a list
+    index (the list made where there is none yet, earlier places held by empty
+    dicts, as :func:`unflatten` holds them), or a dict key (as a string) where a
+    dict is there already."""
     if not path:
         merge(root, value)
         return
-    node = root
-    for p in path[:-1]:
-        key = str(p)
-        nxt = node.get(key)
-        if not isinstance(nxt, dict):
-            nxt = {}
+    node: Any = root
+    for i, p in enumerate(path):
+        key: PathItem
+        if isinstance(node, list) and isinstance(p, int):
+            key, present = p, p < len(node)
+            while len(node) <= p:
+                node.append({})
+        else:
+            key = str(p)
+            present = key in node
+        if i == len(path) - 1:
+            node[key] = merge(node[key], value) if present else value
+            return
+        nxt = node[key] if present else None
+        index_next = isinstance(path[i + 1], int)
+        if not isinstance(nxt, dict) and not (index_next and isinstance(nxt, list)):
+            nxt = [] if index_next else {}
             node[key] = nxt
         node = nxt
-    last = str(path[-1])
-    node[last] = merge(node[last], value) if last in node else value
 
 
 def unflatten(leaves: Iterable[tuple[tuple[PathItem, ...], Any]]) -> dict[str, Any]:

@@ -86,6 +86,7 @@ def convert(
     world_size: int = 1,
     param_names: list[str] | None = None,
     metadata_form: str = "current",
+    layout: str | None = None,
     zero_stage: int | None = None,
     precision: str | None = None,
     buffers: Sequence[str] | None = None,
@@ -119,6 +120,11 @@ def convert(
     the tensor once and leaves the tie to the model's code), read as that tensor;
     ``materialize_ties`` writes every tied name as a tensor of its own (a strict
     ``load_state_dict`` of the output then finds each name).
+    ``layout`` (torch_save): ``"source"`` (None: the model and optimizer where the
+    source had them, else the portable ``{"model", "optim"}``), ``"portable"``, or
+    ``"lightning"`` (a Lightning ``.ckpt`` that ``load_from_checkpoint`` loads);
+    (dcp) ``"source"``, ``"portable"`` or ``"torchtitan"`` (``model`` and a
+    flattened ``optimizer``).
     """
     chosen: list[str] = []
     if to is None:
@@ -126,6 +132,8 @@ def convert(
         chosen.append(f"writing {to} (no --to given; chosen from the name {Path(dst).name})")
     if to not in TARGETS:
         raise RavexError(f"--to {to}: not a format Ravex writes yet", hint=f"use one of {', '.join(TARGETS)}")
+    if layout is not None and "layout" not in signature(registry.get(to).write).parameters:
+        raise RavexError(f"--layout {layout} applies to torch_save and dcp outputs, not {to}", hint="leave --layout out, or write --to torch_save or dcp")
     if to == "zero" and zero_stage not in (1, 2, 3):
         raise RavexError(f"--to zero needs --zero-stage 1, 2 or 3 (got {zero_stage})", hint="choose the stage the resumed run will use")
     if isinstance(max_shard_size, str):
@@ -164,7 +172,7 @@ def convert(
     # must not wait for ranks that never call convert.
     with durability(sync), spread(current() if distributed else Solo()):
         result = _write(out, dst, to, opts, progress, zero_stage=zero_stage, precision=precision, buffers=buffers,
-                        hyperparameters=hyperparameters, metadata_form=metadata_form)
+                        hyperparameters=hyperparameters, metadata_form=metadata_form, layout=layout)
     result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
                    "left_out": dropped, "seconds": time.perf_counter() - t0, "synced": sync})
     return result
@@ -252,7 +260,7 @@ def _param_groups(out: Checkpoint, to: str, opts: Options, given: Sequence[Mappi
 
 # Files a format's reader takes that ``inspect`` does not list as the checkpoint's own:
 # pointers and store-level records.
-_POINTERS = {"zero": ("latest",), "native": ("manifest.json", "ravex-store.json", "lock")}
+_POINTERS = {"zero": ("latest",), "hf_trainer": ("latest",), "native": ("manifest.json", "ravex-store.json", "lock")}
 
 
 def left_out(src: str | Path, ckpt: Checkpoint, opts: Options, to: str) -> list[dict[str, Any]]:
@@ -294,7 +302,7 @@ def _drop_note(d: dict[str, Any]) -> str:
 def _unread_files(root: Path, ckpt: Checkpoint) -> list[dict[str, Any]]:
     """Files under ``root`` that are not part of the checkpoint read from it."""
     try:
-        info = inspect(root, tag=ckpt.source.get("tag") if ckpt.format == "zero" else None,
+        info = inspect(root, tag=ckpt.source.get("tag") if ckpt.format == "zero" else None,  # (a Trainer's DeepSpeed root names one tag)
                        index=ckpt.source["index"] if ckpt.format == "native" and isinstance(ckpt.source.get("index"), int) else -1)
     except Exception as exc:  # noqa: BLE001 - the reader took the checkpoint; this listing must not fail the conversion
         why = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
@@ -351,11 +359,11 @@ def _key(p: Path) -> str:
 
 def _write(out: Checkpoint, dst: Path, to: str, opts: Options, progress: Callable[[int], None] | None, *, zero_stage: int | None,
            precision: str | None, buffers: Sequence[str] | None, hyperparameters: Sequence[dict[str, Any]] | None,
-           metadata_form: str) -> dict[str, Any]:
+           metadata_form: str, layout: str | None = None) -> dict[str, Any]:
     """The target format's writer (from the registry), given the options it takes."""
     write = registry.get(to).write
     offered = {"progress": progress, "zero_stage": zero_stage, "precision": precision, "buffers": buffers,
-               "hyperparameters": hyperparameters, "metadata_form": metadata_form}
+               "hyperparameters": hyperparameters, "metadata_form": metadata_form, "layout": layout}
     takes = signature(write).parameters
     result: dict[str, Any] = write(out, dst, opts, **{k: v for k, v in offered.items() if k in takes})
     return result

@@ -1,6 +1,10 @@
 """A tiny GPT-2 trained by the Hugging Face Trainer on CPU, for tests/test_hf_trainer.py.
 
-    python -P _hf_train.py OUT MAX_STEPS [RESUME_FROM]
+    python -P _hf_train.py OUT MAX_STEPS [RESUME_FROM] [--zero STAGE]
+
+With ``--zero STAGE`` (under torchrun, ``DS_ACCELERATOR=cpu``) the Trainer runs
+DeepSpeed ZeRO-STAGE, which saves ``global_stepN/`` and ``latest`` instead of
+``optimizer.pt`` (no ``true_state`` then: DeepSpeed holds the optimizer).
 
 Saves ``checkpoint-N`` every 2 steps (the Trainer's own save), and beside each
 ``true_state-N.safetensors``: the live optimizer state at that save, by
@@ -45,17 +49,34 @@ class TrueState(TrainerCallback):
 
 
 def main() -> None:
-    out, max_steps = sys.argv[1], int(sys.argv[2])
-    resume = sys.argv[3] if len(sys.argv) > 3 else None
+    argv = sys.argv[1:]
+    stage = None
+    if "--zero" in argv:
+        at = argv.index("--zero")
+        stage = int(argv[at + 1])
+        del argv[at:at + 2]
+    out, max_steps = argv[0], int(argv[1])
+    resume = argv[2] if len(argv) > 2 else None
+    ds = None if stage is None else {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}}
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16,
                                        bos_token_id=0, eos_token_id=0))
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=max_steps, save_steps=2, use_cpu=True,
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=max_steps, save_steps=2, use_cpu=ds is None,
                              report_to=[], logging_steps=1, lr_scheduler_type="linear", warmup_steps=1, learning_rate=1e-3,
-                             weight_decay=0.01, seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[TrueState()])
+                             weight_decay=0.01, seed=0, dataloader_num_workers=0, disable_tqdm=True, deepspeed=ds)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[TrueState()] if ds is None else [])
     trainer.train(resume_from_checkpoint=resume)
-    save_file({n: p.detach().clone() for n, p in model.named_parameters()}, str(Path(out) / "final.safetensors"))
+    if trainer.is_world_process_zero():
+        if ds is not None:  # the fp32 master weights DeepSpeed trains, gathered by DeepSpeed's own consolidation
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            final = get_fp32_state_dict_from_zero_checkpoint(str(Path(out) / f"checkpoint-{max_steps}"))
+            save_file({k: v.contiguous() for k, v in final.items() if k != "lm_head.weight"}, str(Path(out) / "final.safetensors"))
+        else:
+            save_file({n: p.detach().clone() for n, p in model.named_parameters()}, str(Path(out) / "final.safetensors"))
 
 
 if __name__ == "__main__":

@@ -237,6 +237,26 @@ def test_torchtitan_layout_keeps_its_keys(tmp_path: Path, top_level_model: bool)
     assert info.num_params == 72 and info.optimizer is not None and info.optimizer.kind == "Adam"
 
 
+def test_layout_torchtitan_writes_torchtitans_keys_from_another_layout(tmp_path: Path) -> None:
+    """A DCP in the recipe's portable keys ({"model", "optim"}) converted with --layout torchtitan:
+    "model" and a flattened "optimizer", which torchtitan's way of loading takes."""
+    model, optimizer = trained()
+    msd, osd = get_state_dict(model, optimizer)
+    quiet(dcp.save, {"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "src"))
+    want = live(model, optimizer)
+    res = run_ravex("convert", tmp_path / "src", tmp_path / "out", "--to", "dcp", "--layout", "torchtitan")
+    assert res.returncode == 0, res.stderr
+    keys = set(FileSystemReader(str(tmp_path / "out")).read_metadata().state_dict_metadata)
+    assert "optimizer.state.0.weight.exp_avg" in keys and not any(k.startswith("optim.") for k in keys)
+    fresh, opt = make(99)
+    m2, o2 = get_state_dict(fresh, opt, options=FLAT)
+    quiet(dcp.load, {"model": m2, "optimizer": o2}, checkpoint_id=str(tmp_path / "out"))
+    set_state_dict(fresh, opt, model_state_dict=m2, optim_state_dict=o2, options=FLAT)
+    assert_live(fresh, opt, want)
+    res = run_ravex("convert", tmp_path / "src", tmp_path / "bad", "--to", "dcp", "--layout", "lightning")
+    assert res.returncode != 0 and "not a dcp layout" in res.stderr and not (tmp_path / "bad").exists()
+
+
 def test_dcp_to_torch_save_keeps_scheduler_dicts(tmp_path: Path) -> None:
     """Non-tensor state comes back as the dicts it was (``scheduler.load_state_dict`` works), not as
     ``lr_scheduler/last_epoch`` keys at the top."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,15 @@ def test_damaged_trainer_state_is_one_clear_error(run: Path, tmp_path: Path) -> 
         ravex_convert.read_checkpoint(src)
     res = run_ravex("convert", src, tmp_path / "out", "--to", "native")
     assert res.returncode != 0 and "trainer_state.json" in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_directory_beside_the_files_is_named_as_left_out(run: Path, tmp_path: Path) -> None:
+    src = tmp_path / "checkpoint-4"
+    shutil.copytree(run / "checkpoint-4", src)
+    (src / "runs").mkdir()
+    for i in range(3):
+        (src / "runs" / f"events.{i}").write_text("x")
+    res = run_ravex("convert", src, tmp_path / "out", "--to", "native", "--json")
+    assert res.returncode == 0, res.stderr
+    left = json.loads(res.stdout)["left_out"]
+    assert [(d["what"], d["kind"], d["count"]) for d in left] == [("runs/", "directory", 3)]  # every file of the checkpoint itself is carried

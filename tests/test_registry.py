@@ -29,7 +29,7 @@ from ravex_convert.formats import dcp_write, native_write, registry, safetensors
 from ravex_convert.info import CheckpointInfo, FileInfo, TensorInfo
 from ravex_convert.model import MODEL, Box, Checkpoint, Chunk, LogicalTensor
 
-DETECTION_ORDER = ["native", "dcp", "zero", "hf_trainer", "accelerate", "safetensors", "torch_save"]
+DETECTION_ORDER = ["native", "dcp", "hf_trainer", "zero", "accelerate", "safetensors", "torch_save"]
 
 
 def _target(name: str) -> Path:
@@ -56,7 +56,7 @@ def test_every_format_registered_once_in_detection_order() -> None:
 def test_targets_and_reshardable_come_from_the_registry() -> None:
     # the order people read them in (--to's choices, docs/cli.md), not detection order
     assert registry.targets() == TARGETS == ("safetensors", "torch_save", "native", "dcp", "zero", "hf_trainer", "accelerate")
-    assert set(registry.reshardable()) == set(RESHARDABLE) == {"zero", "dcp", "native"}
+    assert set(registry.reshardable()) == set(RESHARDABLE) == {"zero", "dcp", "native", "hf_trainer"}
     to = next(p for p in main.commands["convert"].params if p.name == "to")
     assert list(to.type.choices) == list(registry.targets())  # type: ignore[attr-defined]
     # each target's write is the format's existing write function
@@ -152,7 +152,7 @@ def fake(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_registered_format_is_detected_inspected_read_and_verified(fake: Path) -> None:
-    assert [f.name for f in registry.formats()] == ["native", "dcp", "zero", "hf_trainer", "accelerate", "fake", "safetensors", "torch_save"]
+    assert [f.name for f in registry.formats()] == ["native", "dcp", "hf_trainer", "zero", "accelerate", "fake", "safetensors", "torch_save"]
     d = ravex_convert.detect(fake)
     assert (d.format, d.reasons) == ("fake", [f"found {FAKE_MARKER}"])
     info = ravex_convert.inspect(fake, tag="t1", index=3)  # index: not a fake option, not passed

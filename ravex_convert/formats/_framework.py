@@ -21,8 +21,7 @@ its own ``torch.save`` or ``save_file`` call.
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from ..errors import LayoutMismatchError, RavexError
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
 from ..plan import OutFile
 
-__all__ = ["FILES", "carried_files", "carry", "name_positions", "names_by_shape", "optimizer_file", "optimizer_tensors", "position_keyed", "positional_optimizer",
+__all__ = ["FILES", "carried_files", "carry", "carry_rest", "name_positions", "names_by_shape", "optimizer_file", "optimizer_tensors", "position_keyed", "positional_optimizer",
            "read_optimizer", "read_small", "small_file", "torch_file"]
 
 FILES = "files"  # objects["extra"][FILES]: file name -> TensorLink of its bytes
@@ -77,6 +76,18 @@ def carried_files(ckpt: Checkpoint, skip: Iterable[str] = ()) -> list[OutFile]:
     return out
 
 
+def carry_rest(ckpt: Checkpoint, directory: Path, parsed: Collection[str], own_dirs: Collection[str] = ()) -> None:
+    """Every file of ``directory`` not in ``parsed`` carried (:func:`carry`), and
+    notes saying which, and which directories (but ``own_dirs``, read already) were not read."""
+    rest = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in parsed)
+    skipped = sorted(p.name for p in directory.iterdir() if not p.is_file() and p.name not in own_dirs)
+    carry(ckpt, directory, rest)
+    if rest:
+        ckpt.notes.append(f"carried as bytes, not parsed: {', '.join(rest)}")
+    if skipped:
+        ckpt.notes.append(f"not read (directories): {', '.join(skipped)}")
+
+
 def read_small(file: Path, ckpt: Checkpoint, prefix: str) -> Any:
     """A small torch.save file (a scheduler's or scaler's state dict) as plain
     values, any tensor in it moved out to an ``obj/`` logical tensor."""
@@ -99,7 +110,7 @@ def read_optimizer(ckpt: Checkpoint, file: Path, names: list[str] | None, unname
     None, when ``unnamed`` says why there are none: the weights are still read,
     and ``source["optimizer_error"]`` stops whoever needs the optimizer state.
     Returns the optimizer state dict as the restricted unpickler read it."""
-    from .torch_save import _check_optimizer, _tensor_chunk
+    from .torch_save import _check_optimizer, add_param_state
 
     archive = open_archive(file)
     optim = archive.root
@@ -116,14 +127,8 @@ def read_optimizer(ckpt: Checkpoint, file: Path, names: list[str] | None, unname
         return dict(optim)
     for key, per in state.items():
         fqn = by_id.get(key)
-        if fqn is None:
-            continue
-        for sname, value in per.items():
-            lname = f"{OPTIM}{sname}/{fqn}"
-            if isinstance(value, TensorRef):
-                ckpt.add(_tensor_chunk(archive, value, lname, shallow))
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                ckpt.add(LogicalTensor(lname, (), "float32", [Chunk(Box((), ()), "float32", data=struct.pack("<f", float(value)))]))
+        if fqn is not None:
+            add_param_state(ckpt, archive, fqn, per, shallow)
     ckpt.objects["optim.param_groups"] = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_id[p] for p in g.get("params", [])]}
                                           for g in optim.get("param_groups") or []]
     return dict(optim)

@@ -32,7 +32,7 @@ from ..info import CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Checkpoint
 from ..plan import OutFile, WritePlan, run
 from . import safetensors
-from ._framework import FILES, carried_files, carry, names_by_shape, optimizer_file, read_optimizer, read_small, small_file
+from ._framework import FILES, carried_files, carry_rest, names_by_shape, optimizer_file, read_optimizer, read_small, small_file
 
 __all__ = ["describe", "read", "sniff", "write"]
 
@@ -81,14 +81,7 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
         ckpt.step = _step(root)
     if (path / SCHEDULER).is_file():
         ckpt.objects["lr_scheduler"] = read_small(path / SCHEDULER, ckpt, "obj/lr_scheduler")
-    parsed = {WEIGHTS, OPTIMIZER, SCHEDULER}
-    rest = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in parsed)
-    skipped = sorted(p.name for p in path.iterdir() if not p.is_file())
-    carry(ckpt, path, rest)
-    if rest:
-        ckpt.notes.append(f"carried as bytes, not parsed: {', '.join(rest)}")
-    if skipped:
-        ckpt.notes.append(f"not read (directories): {', '.join(skipped)}")
+    carry_rest(ckpt, path, {WEIGHTS, OPTIMIZER, SCHEDULER})
     return ckpt, optim
 
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._layout import PathItem, layout_of, optimizer_tree, place
+from .._layout import PathItem, StateLayout, layout_of, optimizer_tree, place
 from .._output import Options, out_dtype
 from .._torchwrite import STORAGE_TYPES, PickleDict, PickleGlobal, PickleObject, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import RavexError
@@ -77,7 +77,38 @@ class _Leaf:
     sharded: bool  # cut on dim 0 across ranks as FSDP2 does; otherwise one whole chunk
 
 
-def _state(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:
+# The layouts ``write`` takes: the source's own (where its reader recorded one, else the
+# portable one), Ravex's portable {"model", "optim"} (the DCP recipe's keys), torchtitan's
+# ("model", and "optimizer" flattened by flatten_optimizer_state_dict).
+LAYOUTS = ("source", "portable", "torchtitan")
+TORCHTITAN = StateLayout(("model",), ("optimizer",), optim_flat=True)
+
+
+def _layout(ckpt: Checkpoint, layout: str | None = None) -> tuple[StateLayout, list[str]]:
+    """Where the model and optimizer go: ``layout`` "portable" or "torchtitan",
+    else where the source kept them ({"app": {"model", "optim"}}, torchtitan's
+    "optimizer", ...), and a note where that has no DCP form: an optimizer keyed
+    by position (torch's optimizer.state_dict(); DCP's loaders key optimizer
+    state by name) or one in a list (Lightning's "optimizer_states") is written
+    in the portable layout."""
+    if layout == "portable":
+        return StateLayout(), []
+    if layout == "torchtitan":
+        return TORCHTITAN, []
+    if layout not in (None, "source"):
+        raise RavexError(f"--layout {layout}: not a dcp layout", hint=f"use one of {', '.join(LAYOUTS)}")
+    found = layout_of(ckpt.source)
+    if not found.optim_by_position and not any(isinstance(p, int) for p in found.optim):
+        return found, []
+    where = ".".join(map(str, found.optim))
+    keyed = ", keyed by position" if found.optim_by_position else ""
+    note = (f"the source keeps its optimizer at '{where}'{keyed}, which DCP's loaders do not read: written in the portable "
+            "layout (the model at 'model', the optimizer at 'optim' keyed by parameter name; the source's other keys at the top; "
+            "--layout torchtitan for torchtitan's keys)")
+    return StateLayout(), [note]
+
+
+def _state(ckpt: Checkpoint, opts: Options, layout: str | None = None) -> dict[str, Any]:
     """The portable layout ``{"model": sd, "optim": {"state", "param_groups"}, ...extra}``,
     or where the source's ``state_layout`` puts the model and optimizer (a DCP
     source's own nesting, kept by a reshard), tensors as :class:`_Leaf`."""
@@ -103,16 +134,16 @@ def _state(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:
         return v
 
     names = list(ckpt.tensors) + list(ckpt.aliases)
-    layout = layout_of(ckpt.source)  # where the source kept them: {"app": {"model", "optim"}}, torchtitan's "optimizer", ...
+    nesting = _layout(ckpt, layout)[0]
     root: dict[str, Any] = {}
-    place(root, layout.model, {n[len(MODEL):]: leaf(n, True) for n in names if n.startswith(MODEL)})
+    place(root, nesting.model, {n[len(MODEL):]: leaf(n, True) for n in names if n.startswith(MODEL)})
     optim_state: dict[str, dict[str, Any]] = {}
     for n in names:
         if n.startswith(OPTIM):
             _, state, fqn = n.split("/", 2)
             optim_state.setdefault(fqn, {})[state] = leaf(n, True)
     if optim_state or "optim.param_groups" in ckpt.objects:
-        place(root, layout.optim, optimizer_tree(layout, optim_state, values(ckpt.objects.get("optim.param_groups", []))))
+        place(root, nesting.optim, optimizer_tree(nesting, optim_state, values(ckpt.objects.get("optim.param_groups", []))))
     for key, value in ckpt.objects.items():
         if key == "optim.param_groups":
             continue
@@ -241,9 +272,9 @@ class _Plan:
     file_sizes: list[int] = field(default_factory=list)
 
 
-def _plan(ckpt: Checkpoint, opts: Options) -> _Plan:
+def _plan(ckpt: Checkpoint, opts: Options, layout: str | None = None) -> _Plan:
     ws = opts.world_size
-    plan = _Plan(ws, _flatten(_state(ckpt, opts)))
+    plan = _Plan(ws, _flatten(_state(ckpt, opts, layout)))
     load = [0] * ws
     floating: list[_Item] = []  # placed after the shards, on the least loaded rank
     layouts: dict[tuple[str, tuple[int, ...]], _ItemLayout] = {}
@@ -344,7 +375,7 @@ def _file_name(rank: int) -> str:
 # ---------------------------------------------------------------- writing
 
 
-def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, metadata_form: str = "current") -> WritePlan:
+def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, metadata_form: str = "current", layout: str | None = None) -> WritePlan:
     """Plan ``ckpt`` as a DCP checkpoint directory sharded as FSDP2 shards at
     ``opts.world_size`` ranks (see the module docstring), built beside ``dst``
     and renamed into place; ``.metadata`` is written last. ``metadata_form``:
@@ -353,7 +384,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, metadata_form: str
         raise RavexError(f"metadata form '{metadata_form}' is unknown", hint=f"use one of {', '.join(METADATA_FORMS)}")
     if opts.world_size < 1:
         raise RavexError(f"--world-size {opts.world_size}: a DCP checkpoint needs at least one rank", hint="pass --world-size 1 or more")
-    plan = _plan(ckpt, opts)
+    plan = _plan(ckpt, opts, layout)
     meta = _metadata(plan, metadata_form)  # before any byte is written: torch's classes must accept it
     ws = plan.world_size
     files = [OutFile(_file_name(r), plan.file_sizes[r]) for r in range(ws)]
@@ -371,6 +402,9 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, metadata_form: str
     total = sum(plan.file_sizes) + len(meta)
     summary = {"files": [_file_name(r) for r in range(ws)] + [METADATA], "tensors": len(ckpt.tensors), "keys": len(plan.flat),
                "items": len(plan.items), "bytes": total, "world_size": ws, "metadata_form": metadata_form}
+    notes = _layout(ckpt, layout)[1]
+    if notes:
+        summary["notes"] = notes
     # the commit point: .metadata, once every data file is complete and durable
     return WritePlan(True, files, [(METADATA, meta)], summary, threads=opts.threads)
 
@@ -390,6 +424,7 @@ def _finisher(items: list[_Item]) -> Callable[[list[int]], list[tuple[int, bytes
     return finish
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, metadata_form: str = "current") -> dict[str, Any]:
-    """:func:`plan_write`, executed and committed."""
-    return run(plan_write(ckpt, dst, opts, metadata_form=metadata_form), dst, force=opts.force, progress=progress)
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, metadata_form: str = "current",
+          layout: str | None = None) -> dict[str, Any]:
+    """:func:`plan_write`, executed and committed (``layout``: one of :data:`LAYOUTS`)."""
+    return run(plan_write(ckpt, dst, opts, metadata_form=metadata_form, layout=layout), dst, force=opts.force, progress=progress)

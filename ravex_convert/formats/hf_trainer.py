@@ -18,9 +18,16 @@ What ``Trainer._save_checkpoint`` writes, read as one checkpoint:
 - everything else (``rng_state*.pth``, ``training_args.bin``, ``scaler.pt``,
   ``config.json``, tokenizer files) carried as bytes (``_framework.carry``).
 
-A ``checkpoint-N`` of a DeepSpeed run (``global_stepN/`` and ``latest``) is
-read by the ZeRO reader, as before. The writer makes a directory the Trainer
-resumes from (``trainer.train(resume_from_checkpoint=...)``).
+A ``checkpoint-N`` of a Trainer run under DeepSpeed holds ``global_stepN/`` and
+``latest`` instead of ``optimizer.pt``: the model and optimizer state are then
+the ZeRO checkpoint's (the ZeRO reader: fp32 master weights, named state,
+DeepSpeed's scheduler), ``model.safetensors`` is carried, and the directory can
+be resharded (``ravex reshard --world-size N``), which DeepSpeed itself refuses.
+
+The writer makes a directory the Trainer resumes from
+(``trainer.train(resume_from_checkpoint=...)``): the plain layout, or, from a
+DeepSpeed source or with ``--zero-stage``, the DeepSpeed one for
+``--world-size`` ranks.
 """
 
 from __future__ import annotations
@@ -36,8 +43,8 @@ from ..errors import CorruptCheckpointError, RavexError, UnknownFormatError
 from ..info import CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Checkpoint
 from ..plan import OutFile, WritePlan, run
-from . import safetensors
-from ._framework import FILES, carried_files, carry, optimizer_file, read_optimizer, read_small, small_file
+from . import safetensors, zero
+from ._framework import FILES, carried_files, carry_rest, optimizer_file, read_optimizer, read_small, small_file
 
 __all__ = ["describe", "read", "sniff", "write"]
 
@@ -49,11 +56,17 @@ _MAX_JSON = 256 * 2**20
 
 
 def sniff(path: Path) -> list[str] | None:
-    if not path.is_dir() or not (path / STATE).is_file() or (path / "latest").is_file():
+    if not path.is_dir() or not (path / STATE).is_file():
         return None
+    if _deepspeed(path):
+        return [f"{STATE} beside DeepSpeed's 'latest': a Hugging Face Trainer checkpoint of a DeepSpeed run"]
     if not any((path / w).is_file() for w in _WEIGHTS):
         return None
     return [f"{STATE} beside the weights: a Hugging Face Trainer checkpoint"]
+
+
+def _deepspeed(path: Path) -> bool:
+    return (path / zero.LATEST).is_file()
 
 
 def _json(file: Path) -> Any:
@@ -113,8 +126,12 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
     if not sniff(path):
         raise UnknownFormatError(f"{path}: not a Hugging Face Trainer checkpoint (no {STATE} beside model.safetensors)",
                                  hint="point Ravex at the checkpoint-N directory the Trainer saved", path=path)
-    weights = safetensors.read(path)
-    ckpt = Checkpoint("hf_trainer", path, world_size=1, tensors=weights.tensors, aliases=weights.aliases, notes=weights.notes)
+    if _deepspeed(path):
+        ckpt = zero.read(path)
+        ckpt.format = "hf_trainer"
+    else:
+        weights = safetensors.read(path)
+        ckpt = Checkpoint("hf_trainer", path, world_size=1, tensors=weights.tensors, aliases=weights.aliases, notes=weights.notes)
     state = _json(path / STATE)
     if not isinstance(state, dict):
         raise CorruptCheckpointError(f"{path / STATE}: not a JSON object", hint="the file is damaged; copy the checkpoint again", path=path / STATE)
@@ -136,14 +153,8 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
                 ckpt.notes.append(f"optimizer positions: {how}")
     if (path / SCHEDULER).is_file():
         ckpt.objects["lr_scheduler"] = read_small(path / SCHEDULER, ckpt, "obj/lr_scheduler")
-    parsed = {STATE, OPTIMIZER, SCHEDULER, *(n for n in _weight_files(path))}
-    rest = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in parsed)
-    skipped = sorted(p.name for p in path.iterdir() if not p.is_file())
-    carry(ckpt, path, rest)
-    if rest:
-        ckpt.notes.append(f"carried as bytes, not parsed: {', '.join(rest)}")
-    if skipped:
-        ckpt.notes.append(f"not read (directories): {', '.join(skipped)}")
+    parsed = {STATE, OPTIMIZER, SCHEDULER, zero.LATEST} | (set() if _deepspeed(path) else set(_weight_files(path)))
+    carry_rest(ckpt, path, parsed, {str(ckpt.source.get("tag"))})
     return ckpt, optim
 
 
@@ -163,6 +174,15 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
     torch): an optimizer keyed by position is shown by position."""
     from .torch_save import _optimizer_info
 
+    if _deepspeed(path):
+        info = zero.describe(path, reasons)
+        info.format, info.variant = "hf_trainer", f"deepspeed {info.variant}"
+        ckpt, _ = _read(path, shallow=True)
+        info.files = [FileInfo(p.name, p.stat().st_size, "trainer_state" if p.name == STATE else "carried")
+                      for p in sorted(path.iterdir()) if p.is_file() and p.name != zero.LATEST] + info.files
+        info.notes = [*info.notes, *(n for n in ckpt.notes if n not in info.notes)]
+        info.extra["carried"] = sorted((ckpt.objects.get("extra") or {}).get(FILES, {}))
+        return info
     ckpt, optim = _read(path, param_names, shallow=True)
     info = CheckpointInfo("hf_trainer", "checkpoint", str(path), world_size=1, step=ckpt.step, reasons=reasons)
     roles = {STATE: "trainer_state", OPTIMIZER: "optimizer", SCHEDULER: "scheduler"}
@@ -185,23 +205,36 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
     return info
 
 
-def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
-    """A ``checkpoint-N`` directory the Trainer resumes from: the weights as
-    ``model.safetensors`` (shards and index with ``max_shard_size``), the
-    optimizer as ``optimizer.pt`` keyed by position in its groups' order,
-    ``scheduler.pt``, ``trainer_state.json`` (the source's, else one recording
-    the step), and every carried file back byte for byte."""
+def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int | None = None, precision: str | None = None) -> WritePlan:
+    """A ``checkpoint-N`` directory the Trainer resumes from. Plain: the
+    weights as ``model.safetensors`` (shards and index with
+    ``max_shard_size``), the optimizer as ``optimizer.pt`` keyed by position in
+    its groups' order, ``scheduler.pt``. DeepSpeed (a DeepSpeed source, or
+    ``zero_stage`` given): ``global_stepN/`` and ``latest`` for
+    ``opts.world_size`` ranks (the ZeRO writer). Both: ``trainer_state.json``
+    (the source's, else one recording the step) and every carried file back
+    byte for byte."""
     if dst.suffix == ".safetensors":
         raise RavexError(f"{dst}: a Trainer checkpoint is a directory (checkpoint-N), not a .safetensors file",
                          hint="name the output directory, e.g. checkpoint-100; --to safetensors writes weights alone", path=dst)
-    weights = safetensors.plan_write(ckpt, dst, opts)
-    files: list[OutFile] = list(weights.files)
-    opt = optimizer_file(OPTIMIZER, ckpt, opts)
-    if opt is not None:
-        files.append(opt)
-    sched = ckpt.objects.get("lr_scheduler")
-    if isinstance(sched, dict):
-        files.append(small_file(SCHEDULER, ckpt, sched, opts))
+    stage = zero_stage or (ckpt.objects.get("zero") or {}).get("stage")
+    if isinstance(stage, int):
+        from .zero_write import plan_write as zero_plan
+
+        inner = zero_plan(ckpt, dst, opts, zero_stage=stage, precision=precision)
+        files: list[OutFile] = list(inner.files)
+    else:
+        if opts.world_size > 1:
+            raise RavexError(f"{dst}: a plain Trainer checkpoint has no ranks (every rank of a DDP run holds the same state), so --world-size {opts.world_size} has nothing to shard",
+                             hint="leave --world-size out, or give --zero-stage to write the checkpoint of a Trainer run under DeepSpeed", path=dst)
+        inner = safetensors.plan_write(ckpt, dst, opts)
+        files = list(inner.files)
+        opt = optimizer_file(OPTIMIZER, ckpt, opts)
+        if opt is not None:
+            files.append(opt)
+        sched = ckpt.objects.get("lr_scheduler")
+        if isinstance(sched, dict):
+            files.append(small_file(SCHEDULER, ckpt, sched, opts))
     state = (ckpt.objects.get("extra") or {}).get("trainer_state")
     if not isinstance(state, dict):
         if ckpt.step is None:
@@ -210,12 +243,13 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
         state = {"global_step": ckpt.step}
     body = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
     files.append(OutFile(STATE, len(body), small=[(0, body)]))
-    made = {f.rel for f in files} | ({name for name, _ in weights.commit} if isinstance(weights.commit, list) else set())
+    made = {f.rel for f in files} | ({name for name, _ in inner.commit} if isinstance(inner.commit, list) else set())
     files += carried_files(ckpt, skip=made)
-    summary = {"files": sorted(f.rel for f in files), "tensors": len(ckpt.tensors), "bytes": sum(f.size for f in files)}
-    return WritePlan(True, files, weights.commit, summary, threads=opts.threads)
+    summary = {**inner.summary, "files": sorted(f.rel for f in files), "tensors": len(ckpt.tensors), "bytes": sum(f.size for f in files)}
+    return WritePlan(True, files, inner.commit, summary, threads=opts.threads)
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, zero_stage: int | None = None,
+          precision: str | None = None) -> dict[str, Any]:
     """:func:`plan_write`, executed and committed."""
-    return run(plan_write(ckpt, dst, opts), dst, force=opts.force, progress=progress)
+    return run(plan_write(ckpt, dst, opts, zero_stage=zero_stage, precision=precision), dst, force=opts.force, progress=progress)

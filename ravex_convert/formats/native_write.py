@@ -40,6 +40,7 @@ from .._dist import ambient
 from .._dtypes import SAFETENSORS_CODES as ALL_SAFETENSORS_CODES
 from .._dtypes import V1_DTYPES
 from .._engine import flat_range
+from .._layout import SOURCE_KEY, StateLayout
 from .._output import Options, fsync_dir, fsync_fd, out_dtype
 from .._tagged import encode
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError, UnsafeCheckpointError
@@ -432,6 +433,10 @@ def _source(ckpt: Checkpoint) -> dict[str, Any]:
     for k, v in src.items():  # the reader's provenance (variant, tag, ...), where it is a plain value
         if k not in out and (v is None or isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v))):
             out[k] = v
+    layout = src.get(SOURCE_KEY)
+    if layout is not None and StateLayout.from_json(layout).to_json() == layout:
+        # where the source kept its model and optimizer (already JSON): an export to torch_save or DCP puts them back there
+        out[SOURCE_KEY] = layout
     return out
 
 

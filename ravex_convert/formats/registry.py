@@ -158,18 +158,19 @@ def reshardable() -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- the formats, in detection order
 #
-# A native store or a DCP directory may hold safetensors or .pt files, and a
-# ZeRO root holds .pt files: the outer layouts come first.
+# A native store or a DCP directory may hold safetensors or .pt files, a ZeRO
+# root holds .pt files, and a Trainer checkpoint of a DeepSpeed run holds a ZeRO
+# root: the outer layouts come first.
 
 _BUILTIN = (
     Format("native", native.sniff, native.read, native.describe, title="Ravex stores", looks_like="ravex-store.json",
            options=frozenset({"index"}), writer="native_write:write", reshardable=True, verify_chunks=native.verify_chunks, listed=2),
     Format("dcp", dcp.sniff, dcp.read, dcp.describe, title="DCP", looks_like=".metadata", writer="dcp_write:write", reshardable=True,
            listed=3),
+    Format("hf_trainer", hf_trainer.sniff, hf_trainer.read, hf_trainer.describe, title="Hugging Face Trainer checkpoints",
+           looks_like="checkpoint-N/ with trainer_state.json", options=frozenset({"param_names"}), writer="hf_trainer:write", reshardable=True, listed=5),
     Format("zero", zero.sniff, zero.read, zero.describe, title="DeepSpeed ZeRO", looks_like="a directory with 'latest' or *_optim_states.pt",
            options=frozenset({"tag", "crc_share"}), writer="zero_write:write", reshardable=True, listed=4),
-    Format("hf_trainer", hf_trainer.sniff, hf_trainer.read, hf_trainer.describe, title="Hugging Face Trainer checkpoints",
-           looks_like="checkpoint-N/ with trainer_state.json", options=frozenset({"param_names"}), writer="hf_trainer:write", listed=5),
     Format("accelerate", accelerate.sniff, accelerate.read, accelerate.describe, title="Accelerate save_state directories",
            looks_like="model.safetensors with optimizer.bin / random_states_0.pkl", options=frozenset({"param_names"}),
            writer="accelerate:write", listed=6),

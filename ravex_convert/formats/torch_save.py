@@ -5,6 +5,12 @@ Layouts people actually have (DESIGN.md, "conventions"):
 - ``{"model": sd, "optimizer": <torch optimizer state_dict, integer keyed>, ...}``;
 - Ravex's portable layout ``{"model": sd, "optim": <keyed by parameter name>, ...}``;
 - Lightning's ``{"state_dict": sd, "optimizer_states": [...], "global_step": n}``.
+
+Whichever it is, the reader records where the model and optimizer sat (and
+whether the optimizer was keyed by position) as a ``StateLayout``, and the
+writer puts them back there: a torch_save output of a torch_save source has the
+source's keys, so the code that saved it loads it. ``layout="lightning"`` writes
+Lightning's keys from any source (:data:`LIGHTNING`).
 """
 
 from __future__ import annotations
@@ -26,14 +32,29 @@ from .._unpickle import TensorRef
 from ..errors import CorruptCheckpointError, LayoutMismatchError, RavexError, UnknownFormatError
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
+from ..objects import key_of
 from ..plan import OutFile, WritePlan, run
 
-__all__ = ["SUFFIXES", "describe", "find_model_and_optimizer", "read", "sniff"]
+__all__ = ["LAYOUTS", "LIGHTNING", "SUFFIXES", "add_param_state", "describe", "find_model_and_optimizer", "read", "sniff"]
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
 _OPTIM_KEYS = ("optim", "optimizer", "optimizer_state_dict")
 _STEP_KEYS = ("step", "global_step", "iteration", "global_steps")
+
+# Lightning's Trainer.save_checkpoint: the model under "state_dict", one torch optimizer
+# state dict per optimizer in "optimizer_states" (keyed by position), one scheduler
+# state dict per scheduler in "lr_schedulers".
+LIGHTNING = StateLayout(("state_dict",), ("optimizer_states", 0), optim_by_position=True)
+_LIGHTNING_MARK = "pytorch-lightning_version"
+# Written where the source is no Lightning checkpoint. Lightning migrates a checkpoint
+# whose version is below a migration's (the last is 2.0.0's), and those migrations need
+# keys (global_step, loops) that only Lightning itself saves; what is written here is
+# the layout Lightning 2.x saves and loads.
+_LIGHTNING_VERSION = "2.0.0"
+# The layouts ``write`` takes: the source's own (where its reader recorded one), Ravex's
+# portable {"model", "optim"}, Lightning's.
+LAYOUTS = ("source", "portable", "lightning")
 
 
 def _candidates(path: Path) -> list[Path]:
@@ -76,8 +97,9 @@ def find_model_and_optimizer(root: Any) -> tuple[str | None, dict[str, Any] | No
     optim = root[optim_key] if optim_key else None
     if optim is not None and "state" not in optim:
         optim = unflatten_optimizer(optim)  # torch.distributed.checkpoint's flatten_optimizer_state_dict form (torchtitan)
-    if optim is None and isinstance(root.get("optimizer_states"), list) and root["optimizer_states"]:
-        optim_key, optim = "optimizer_states[0]", root["optimizer_states"][0]
+    states = root.get("optimizer_states")
+    if optim is None and isinstance(states, list) and states and isinstance(states[0], dict):
+        optim_key, optim = "optimizer_states[0]", states[0]
     return model_key, (root[model_key] if model_key else None), optim_key, optim
 
 
@@ -153,6 +175,22 @@ def _check_optimizer(optim: Any, key: str | None, file: Path) -> None:
             raise bad("has a param group whose 'params' is not a list of parameter ids")
 
 
+def _lightning_optimizers(states: Any, file: Path) -> CorruptCheckpointError | None:
+    """Lightning's ``optimizer_states`` is a list of optimizer state dicts, one per
+    optimizer; anything else is refused (the weights are still read)."""
+    if isinstance(states, list) and all(isinstance(s, dict) for s in states):
+        return None
+    what = (f"a {type(states).__name__}" if not isinstance(states, list)
+            else f"a list holding a {type(next(s for s in states if not isinstance(s, dict))).__name__}")
+    return CorruptCheckpointError(
+        f"{file}: a Lightning checkpoint whose 'optimizer_states' is {what}, not a list of optimizer state dicts "
+        "(one per optimizer, as Trainer.save_checkpoint writes it)",
+        hint="the file is damaged or was changed after Lightning saved it; convert the weights alone with --weights-only, "
+             "or save the checkpoint again with Lightning",
+        path=file,
+    )
+
+
 def _marked(ref: TensorRef) -> bool:
     """The file marks the entry a parameter (saved as an ``nn.Parameter`` or with requires_grad)."""
     return ref.is_parameter or ref.requires_grad
@@ -180,6 +218,13 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
     if found.model_key is not None:
         info.extra["model_key"] = found.model_key
         info.extra["optimizer_key"] = found.optim_key
+    if found.lightning is not None:
+        extra = ckpt.objects.get("extra", {})
+        info.extra["state_layout"] = layout_of(ckpt.source).describe()
+        info.reasons.append(f"a PyTorch Lightning checkpoint ('{_LIGHTNING_MARK}' {found.lightning!r}): the model at 'state_dict', "
+                            "the optimizers in 'optimizer_states'")
+        info.extra["lightning"] = {"version": found.lightning, "optimizers": found.optimizers,
+                                   "state": [k for k in extra if k != _LIGHTNING_MARK]}
     return info
 
 
@@ -230,6 +275,12 @@ def _param_names_by_order(sd: dict[str, TensorRef], aliases: dict[str, str], opt
     state = optim.get("state") or {}
     groups = [list(g.get("params", [])) for g in optim.get("param_groups") or []]
     ids = [pid for g in groups for pid in g]
+    listed = [g.get("param_names") for g in optim.get("param_groups") or []]
+    if param_names is None and listed and all(isinstance(n, list) and len(n) == len(g) for n, g in zip(listed, groups)):
+        # torch's own names (an optimizer built from named_parameters(), or Ravex's output of --param-names)
+        saved = [n for names in listed if isinstance(names, list) for n in names]
+        if all(isinstance(n, str) and n in sd for n in saved):
+            return dict(zip(ids, saved))
     hint = ("`ravex convert` takes the parameter names in optimizer order (--param-names FILE: one name per line, group after group); "
             "or save the optimizer keyed by name (torch.distributed.checkpoint.state_dict.get_state_dict); "
             "or leave the optimizer state out (--weights-only, for convert and verify)")
@@ -275,6 +326,8 @@ class _Found:
     sd: dict[str, TensorRef]
     optim_key: str | None
     optim: dict[str, Any] | None
+    lightning: str | None = None  # the pytorch-lightning_version of a Lightning checkpoint
+    optimizers: int = 0  # how many optimizers it holds
 
 
 def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = False) -> tuple[Checkpoint, _Found]:
@@ -298,16 +351,33 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
     variant = "state_dict" if model_key is None else ("training_state" if optim is not None else "model")
     found = _Found(file, variant, model_key, sd, optim_key, optim)
     ckpt = Checkpoint("torch_save", file, world_size=1, step=_step(archive, root, optim))
-    if model_key is not None and optim_key is not None and optim_key != "optimizer_states[0]" and "state" not in root[optim_key]:
-        # A flattened optimizer (flatten_optimizer_state_dict: a torchtitan DCP written out as torch.save, by Ravex too):
-        # a torch_save or DCP output keeps it where it was, flattened, so the code that wrote it loads it.
-        ckpt.source[SOURCE_KEY] = StateLayout((model_key,), (optim_key,), True).to_json()
+    lightning = isinstance(root, dict) and model_key == "state_dict" and (_LIGHTNING_MARK in root or "optimizer_states" in root)
+    more: list[Any] = []  # a Lightning checkpoint's second, third, ... optimizer
+    if lightning:
+        found.lightning = str(root.get(_LIGHTNING_MARK, "unknown"))
+        bad = _lightning_optimizers(root.get("optimizer_states", []), file)
+        if bad is not None:
+            ckpt.source["optimizer_error"] = bad  # the weights are fine; convert and verify of the rest raise this
+            ckpt.notes.append(f"optimizer state left out: {bad.message}")
+        elif optim_key == "optimizer_states[0]":
+            more = root["optimizer_states"][1:]
+            for i, other in enumerate(more, 1):
+                _check_optimizer(other, f"optimizer_states[{i}]", file)
+            found.optimizers = 1 + len(more)
     if not any(_marked(ref) for ref in sd.values()):
         ckpt.notes.append(NO_PARAM_MARKS)
     state = (optim.get("state") or {}) if optim is not None else {}
     by_index = any(isinstance(k, int) for k in state)
     if by_index:
         ckpt.notes.append("optimizer state is keyed by parameter index (torch's optimizer.state_dict()); names come from parameter order")
+    if model_key is not None:
+        # Where the model and optimizer sat (and how the optimizer was keyed): a torch_save output puts them back there,
+        # so the code that saved the file loads the output (a flattened optimizer, as a torchtitan DCP written out as
+        # torch.save, stays flattened).
+        flat = optim_key is not None and optim_key != "optimizer_states[0]" and "state" not in root[optim_key]
+        where = LIGHTNING.optim if optim_key == "optimizer_states[0]" or (lightning and optim_key is None) else \
+            (optim_key,) if optim_key is not None else ("optim",)
+        ckpt.source[SOURCE_KEY] = StateLayout((model_key,), where, flat, by_index, by_index and param_names is not None).to_json()
     if not shallow:
         verify_crcs(archive)  # every storage's bytes against the CRC-32 torch.save recorded (RAVEX_NO_CRC=1 skips)
     aliases = _aliases(sd)
@@ -329,19 +399,16 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
             fqn = names.get(key)
             if fqn is None or not isinstance(per, dict):
                 continue
-            for sname, value in per.items():
-                lname = f"{OPTIM}{sname}/{fqn}"
-                if isinstance(value, TensorRef):
-                    ckpt.add(_tensor_chunk(archive, value, lname, shallow))
-                elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    # old torch kept Adam's step as a Python number; keep it as the tensor newer torch saves
-                    ckpt.add(LogicalTensor(lname, (), "float32", [Chunk(Box((), ()), "float32", data=struct.pack("<f", float(value)))]))
+            add_param_state(ckpt, archive, fqn, per, shallow)
         groups = []
         for g in optim.get("param_groups") or []:
             g2 = {k: v for k, v in g.items() if k != "params"}
             g2["params"] = [names.get(p, p) for p in g.get("params", [])]
             groups.append(g2)
         ckpt.objects["optim.param_groups"] = groups
+    for i, other in enumerate(more, 1):
+        # kept whole, as saved (keyed by position), under the objects key of a further optimizer
+        ckpt.objects[f"optimizer.{i}"] = _objects(archive, other, ckpt, f"{OBJ}optimizer.{i}", shallow)
     if isinstance(root, dict) and model_key is not None:  # a bare state dict is all model
         for key, value in root.items():
             if key in (model_key, optim_key) or (optim_key == "optimizer_states[0]" and key == "optimizer_states"):
@@ -358,6 +425,18 @@ def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
     state is not), and the other top-level entries as ``objects["extra"]``.
     Every storage's CRC-32 is checked first (RAVEX_NO_CRC=1 skips it)."""
     return _read(path, param_names)[0]
+
+
+def add_param_state(ckpt: Checkpoint, archive: TorchArchive, fqn: str, per: dict[str, Any], shallow: bool = False) -> None:
+    """One parameter's optimizer state (``{state: tensor or number}``) as
+    ``optim/<state>/<fqn>`` tensors located in ``archive``."""
+    for sname, value in per.items():
+        lname = f"{OPTIM}{sname}/{fqn}"
+        if isinstance(value, TensorRef):
+            ckpt.add(_tensor_chunk(archive, value, lname, shallow))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            # old torch kept Adam's step as a Python number; keep it as the tensor newer torch saves
+            ckpt.add(LogicalTensor(lname, (), "float32", [Chunk(Box((), ()), "float32", data=struct.pack("<f", float(value)))]))
 
 
 def _objects(archive: TorchArchive, value: Any, ckpt: Checkpoint, prefix: str, shallow: bool = False) -> Any:
@@ -388,11 +467,49 @@ def _to_pickle(value: Any, tensors: dict[str, TensorOut]) -> Any:
     return value
 
 
-def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
-    """One ``torch.save`` file in the portable layout ``{"model", "optim", ...}``
-    (optimizer state keyed by parameter name, as get_state_dict returns it), that
-    ``torch.load(weights_only=True)`` reads. Tied names all present, sharing one storage."""
-    layout = ZipLayout("archive")
+def _nesting(ckpt: Checkpoint, layout: str | None) -> StateLayout:
+    if layout in (None, "source"):
+        return layout_of(ckpt.source)
+    if layout == "portable":
+        return StateLayout()
+    if layout == "lightning":
+        return LIGHTNING
+    raise RavexError(f"--layout {layout}: not a torch_save layout", hint=f"use one of {', '.join(LAYOUTS)}")
+
+
+def _lightning_keys(ckpt: Checkpoint, root: dict[str, Any], outs: dict[str, TensorOut], notes: list[str]) -> set[str]:
+    """Lightning's keys for a checkpoint another program wrote; the objects keys they
+    took. ``load_from_checkpoint`` reads ``state_dict`` and the version;
+    ``Trainer.fit(ckpt_path=...)`` also ``optimizer_states`` and ``lr_schedulers``
+    (a KeyError without them) and, to continue its count of steps and epochs,
+    ``loops``, which only Lightning writes (and which is not made up here)."""
+    root[_LIGHTNING_MARK] = _LIGHTNING_VERSION
+    if ckpt.step is not None:
+        root["global_step"] = ckpt.step
+    named = sorted((k for k in ckpt.objects if (found := key_of(k)) is not None and found.name.startswith("lr_scheduler")),
+                   key=lambda k: 0 if k == "lr_scheduler" else int(k.rpartition(".")[2]))
+    if named:
+        root["lr_schedulers"] = [_to_pickle(ckpt.objects[k], outs) for k in named]
+    has_optim = "optimizer_states" in root
+    resumes = "would restore the weights, optimizer and scheduler but count steps and epochs from 0" if has_optim and named else \
+        "cannot resume from it (it needs optimizer_states and lr_schedulers)"
+    notes.append(f"written in Lightning's layout (state_dict{', optimizer_states' if has_optim else ''}{', lr_schedulers' if named else ''}, "
+                 f"{_LIGHTNING_MARK} '{_LIGHTNING_VERSION}'): LightningModule.load_from_checkpoint loads it; the source holds no "
+                 f"Lightning loop state (loops), so Trainer.fit(ckpt_path=...) {resumes}")
+    return set(named)
+
+
+def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, layout: str | None = None) -> WritePlan:
+    """One ``torch.save`` file that ``torch.load(weights_only=True)`` reads, tied
+    names all present, sharing one storage. ``layout``: ``"source"`` (None) puts
+    the model and optimizer where the source's reader recorded them (a torch.save
+    source's own keys, a position-keyed optimizer keyed by position again, a DCP
+    source's nesting), else in the portable layout ``{"model", "optim", ...}``
+    (optimizer state keyed by parameter name, as get_state_dict returns it);
+    ``"portable"`` always that; ``"lightning"`` Lightning's keys (:data:`LIGHTNING`)."""
+    nesting = _nesting(ckpt, layout)
+    notes: list[str] = []
+    layout_out = ZipLayout("archive")
     storages: dict[str, StorageOut] = {}
     outs: dict[str, TensorOut] = {}
     for i, (name, t) in enumerate(ckpt.tensors.items()):
@@ -405,7 +522,6 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
         outs[alias] = outs[target]
     root: dict[str, Any] = {}
     model = OrderedDict((n[len(MODEL):], outs[n]) for n in list(ckpt.tensors) + list(ckpt.aliases) if n.startswith(MODEL))
-    nesting = layout_of(ckpt.source)  # a DCP source's nesting ({"app": {"model", "optim"}}) is kept
     place(root, nesting.model, model)
     optim_state: dict[str, dict[str, Any]] = {}
     for n in ckpt.tensors:
@@ -413,30 +529,47 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
             _, state, fqn = n.split("/", 2)
             optim_state.setdefault(fqn, {})[state] = outs[n]
     if optim_state or "optim.param_groups" in ckpt.objects:
-        place(root, nesting.optim, optimizer_tree(nesting, optim_state, _to_pickle(ckpt.objects.get("optim.param_groups", []), outs)))
+        try:
+            tree = optimizer_tree(nesting, optim_state, _to_pickle(ckpt.objects.get("optim.param_groups", []), outs))
+        except ValueError as exc:
+            raise LayoutMismatchError(f"{ckpt.path}: cannot key the optimizer state by position: {exc}",
+                                      hint="write it keyed by name: --layout portable") from None
+        place(root, nesting.optim, tree)
+    extra = ckpt.objects.get("extra")
+    taken: set[str] = set()
+    if layout == "lightning" and not (isinstance(extra, dict) and _LIGHTNING_MARK in extra):
+        taken = _lightning_keys(ckpt, root, outs, notes)  # a Lightning source has its own keys in extra
+    # A list of optimizers (Lightning's): the further ones (objects "optimizer.<i>") follow the first.
+    listed = nesting.optim[:-1] if nesting.optim and isinstance(nesting.optim[-1], int) else None
     for key, value in ckpt.objects.items():
-        if key == "optim.param_groups":
+        if key == "optim.param_groups" or key in taken:
             continue
+        schema = key_of(key)
         if key == "extra" and isinstance(value, dict):
             for k, v in value.items():  # a torch.save source's own top-level keys go back to the top
                 place(root, (str(k),), _to_pickle(v, outs))
+        elif listed is not None and schema is not None and schema.name == "optimizer.<i>":
+            place(root, (*listed, int(nesting.optim[-1]) + int(key.rpartition(".")[2])), _to_pickle(value, outs))
         else:
             root[key] = _to_pickle(value, outs)
-    if ckpt.step is not None:
-        root.setdefault("step", ckpt.step)
+    if ckpt.step is not None and nesting.portable:
+        root.setdefault("step", ckpt.step)  # a source's own layout keeps its own step keys, and no other
     pickle_bytes = dumps(root)
     records: list[tuple[str, int, int | None]] = []
     for name, s in storages.items():
         t = ckpt.tensors[name]
         found = page_residue(t, t.whole(), s.dtype)  # same page offset as the source: whole-page copies
         records.append((s.key, s.numel * itemsize(s.dtype), found[0] if found else None))
-    data_entries = layout.add_torch_save(pickle_bytes, records)
-    entries = {name: layout.entries[i] for name, i in zip(storages, data_entries, strict=True)}
-    out = OutFile("", layout.size, small=layout.small(), crc_ranges=layout.ranges(), finish=layout.late)
+    data_entries = layout_out.add_torch_save(pickle_bytes, records)
+    entries = {name: layout_out.entries[i] for name, i in zip(storages, data_entries, strict=True)}
+    out = OutFile("", layout_out.size, small=layout_out.small(), crc_ranges=layout_out.ranges(), finish=layout_out.late)
     out.fills = [(t, entries[name].data_offset, t.whole(), storages[name].dtype) for name, t in ckpt.tensors.items()]
-    return WritePlan(False, [out], summary={"files": [dst.name], "tensors": len(ckpt.tensors), "bytes": layout.total}, threads=opts.threads)
+    summary = {"files": [dst.name], "tensors": len(ckpt.tensors), "bytes": layout_out.total}
+    if notes:
+        summary["notes"] = notes
+    return WritePlan(False, [out], summary=summary, threads=opts.threads)
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, layout: str | None = None) -> dict[str, Any]:
     """:func:`plan_write`, executed and committed."""
-    return run(plan_write(ckpt, dst, opts), dst, force=opts.force, progress=progress)
+    return run(plan_write(ckpt, dst, opts, layout), dst, force=opts.force, progress=progress)

@@ -228,7 +228,7 @@ def _group_state(ckpt: Checkpoint, g: int, params: list[Param], state_names: lis
 def _zero_source(ckpt: Checkpoint) -> tuple[list[str], list[Path]]:
     """From a DeepSpeed source's files: its module's key order, and its copies
     of DeepSpeed's recovery scripts."""
-    if ckpt.format != "zero":
+    if "zero" not in (ckpt.format, ckpt.source.get("format")):  # a Trainer checkpoint of a DeepSpeed run holds one
         return [], []
     root = ckpt.path
     tag = ckpt.source.get("tag")
@@ -421,7 +421,7 @@ def make_plan(ckpt: Checkpoint, opts: Options, stage: int, precision: str | None
         was = f"the source was saved by {src_version}" if isinstance(src_version, str) else "the source names none"
         notes.append(f"ds_version {DS_VERSION}: the DeepSpeed whose layout Ravex writes ({was}; DeepSpeed requires the field)")
     if tag is None:
-        tag = str(ckpt.source["tag"]) if ckpt.format == "zero" and ckpt.source.get("tag") else f"global_step{step}"
+        tag = str(ckpt.source["tag"]) if "zero" in (ckpt.format, ckpt.source.get("format")) and ckpt.source.get("tag") else f"global_step{step}"
     if not tag or "/" in tag or tag in (".", ".."):
         raise RavexError(f"--tag '{tag}': not a directory name", hint="pass a tag like global_step100")
     if not scripts:
