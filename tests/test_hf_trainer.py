@@ -103,6 +103,13 @@ def test_round_trip_through_a_store_gives_the_trainers_files_back(run: Path) -> 
         assert a["state"][pid].keys() == b["state"][pid].keys()
         assert all(torch.equal(a["state"][pid][k], b["state"][pid][k]) for k in a["state"][pid])
     assert torch.load(src / "scheduler.pt", weights_only=True) == torch.load(back / "scheduler.pt", weights_only=True)
+    from transformers import GPT2LMHeadModel  # the framework's own loader of the weights and config
+
+    loaded = GPT2LMHeadModel.from_pretrained(back)
+    want = load_file(str(src / "model.safetensors"))
+    got = loaded.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # tied again, as the config says
 
 
 def test_the_trainer_resumes_ravex_output_exactly(run: Path, hf_resumed: dict[str, torch.Tensor], tmp_path: Path) -> None:
