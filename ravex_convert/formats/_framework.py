@@ -36,7 +36,7 @@ from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, Te
 from ..plan import OutFile
 
 __all__ = ["FILES", "carried_files", "carry", "carry_rest", "name_positions", "names_by_shape", "optimizer_file", "optimizer_tensors", "position_keyed", "positional_optimizer",
-           "read_optimizer", "read_small", "small_file", "torch_file"]
+           "read_optimizer", "read_small", "small_file", "torch_file", "training_files"]
 
 FILES = "files"  # objects["extra"][FILES]: file name -> TensorLink of its bytes
 _PREFIX = f"{OBJ}{FILES}/"
@@ -258,6 +258,19 @@ def optimizer_file(rel: str, ckpt: Checkpoint, opts: Options) -> OutFile | None:
         return None
     tensors = [t for states in per.values() for t in states.values()]
     return torch_file(rel, tensors, lambda outs: positional_optimizer(ckpt, outs), opts)
+
+
+def training_files(ckpt: Checkpoint, optimizer: str, scheduler: str, opts: Options) -> list[OutFile]:
+    """``optimizer`` (the position-keyed optimizer state dict) and ``scheduler``
+    (``objects["lr_scheduler"]``) as torch.save files, those the checkpoint has."""
+    files: list[OutFile] = []
+    opt = optimizer_file(optimizer, ckpt, opts)
+    if opt is not None:
+        files.append(opt)
+    sched = ckpt.objects.get("lr_scheduler")
+    if isinstance(sched, dict):
+        files.append(small_file(scheduler, ckpt, sched, opts))
+    return files
 
 
 def small_file(rel: str, ckpt: Checkpoint, value: Any, opts: Options) -> OutFile:

@@ -32,7 +32,7 @@ from ..info import CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Checkpoint
 from ..plan import OutFile, WritePlan, run
 from . import safetensors
-from ._framework import FILES, carried_files, carry_rest, names_by_shape, optimizer_file, read_optimizer, read_small, small_file
+from ._framework import FILES, carried_files, carry_rest, names_by_shape, read_optimizer, read_small, training_files
 
 __all__ = ["describe", "read", "sniff", "write"]
 
@@ -129,12 +129,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
     weights = safetensors.plan_write(ckpt, dst / WEIGHTS, opts)
     files: list[OutFile] = list(weights.files)
     files[0].rel = WEIGHTS
-    opt = optimizer_file(OPTIMIZER, ckpt, opts)
-    if opt is not None:
-        files.append(opt)
-    sched = ckpt.objects.get("lr_scheduler")
-    if isinstance(sched, dict):
-        files.append(small_file(SCHEDULER, ckpt, sched, opts))
+    files += training_files(ckpt, OPTIMIZER, SCHEDULER, opts)
     files += carried_files(ckpt, skip={f.rel for f in files})
     summary = {"files": sorted(f.rel for f in files), "tensors": len(ckpt.tensors), "bytes": sum(f.size for f in files)}
     return WritePlan(True, files, [], summary, threads=opts.threads)

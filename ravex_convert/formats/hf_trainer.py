@@ -44,7 +44,7 @@ from ..info import CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Checkpoint
 from ..plan import OutFile, WritePlan, run
 from . import safetensors, zero
-from ._framework import FILES, carried_files, carry_rest, optimizer_file, read_optimizer, read_small, small_file
+from ._framework import FILES, carried_files, carry_rest, read_optimizer, read_small, training_files
 
 __all__ = ["describe", "read", "sniff", "write"]
 
@@ -228,13 +228,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int | 
             raise RavexError(f"{dst}: a plain Trainer checkpoint has no ranks (every rank of a DDP run holds the same state), so --world-size {opts.world_size} has nothing to shard",
                              hint="leave --world-size out, or give --zero-stage to write the checkpoint of a Trainer run under DeepSpeed", path=dst)
         inner = safetensors.plan_write(ckpt, dst, opts)
-        files = list(inner.files)
-        opt = optimizer_file(OPTIMIZER, ckpt, opts)
-        if opt is not None:
-            files.append(opt)
-        sched = ckpt.objects.get("lr_scheduler")
-        if isinstance(sched, dict):
-            files.append(small_file(SCHEDULER, ckpt, sched, opts))
+        files = list(inner.files) + training_files(ckpt, OPTIMIZER, SCHEDULER, opts)
     state = (ckpt.objects.get("extra") or {}).get("trainer_state")
     if not isinstance(state, dict):
         if ckpt.step is None:
