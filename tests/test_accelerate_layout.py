@@ -59,7 +59,7 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_inspect_names_every_part(run: Path) -> None:
     info = ravex_convert.inspect(run / "state")
-    assert info.format == "accelerate"
+    assert (info.format, info.step) == ("accelerate", 4)  # saved after step 4: the optimizer's own count
     roles = {f.path: f.role for f in info.files}
     assert roles == {"model.safetensors": "weights", "optimizer.bin": "optimizer", "scheduler.bin": "scheduler",
                      "random_states_0.pkl": "carried"}

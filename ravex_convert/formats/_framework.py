@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from .._engine import page_residue
+from .._layout import by_position
 from .._output import Options, out_dtype
 from .._paths import inside
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
-from .._torchzip import open_archive, verify_crcs
+from .._torchzip import TorchArchive, open_archive, verify_crcs
 from .._unpickle import TensorRef
 from ..errors import LayoutMismatchError, RavexError
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
@@ -88,14 +89,16 @@ def carry_rest(ckpt: Checkpoint, directory: Path, parsed: Collection[str], own_d
         ckpt.notes.append(f"not read (directories): {', '.join(skipped)}")
 
 
-def read_small(file: Path, ckpt: Checkpoint, prefix: str) -> Any:
+def read_small(file: Path, ckpt: Checkpoint, prefix: str, *, shallow: bool = False) -> Any:
     """A small torch.save file (a scheduler's or scaler's state dict) as plain
-    values, any tensor in it moved out to an ``obj/`` logical tensor."""
+    values, any tensor in it moved out to an ``obj/`` logical tensor (``shallow``:
+    for ``inspect``, no CRC pass)."""
     from .torch_save import _objects  # the same walk the torch_save reader does
 
     archive = open_archive(file)
-    verify_crcs(archive)
-    return _objects(archive, archive.root, ckpt, prefix)
+    if not shallow:
+        verify_crcs(archive)
+    return _objects(archive, archive.root, ckpt, prefix, shallow)
 
 
 def position_keyed(optim: dict[str, Any]) -> list[int]:
@@ -103,16 +106,17 @@ def position_keyed(optim: dict[str, Any]) -> list[int]:
     return [p for g in optim.get("param_groups") or [] for p in g.get("params", [])]
 
 
-def read_optimizer(ckpt: Checkpoint, file: Path, names: list[str] | None, unnamed: str, *, shallow: bool = False) -> dict[str, Any]:
+def read_optimizer(ckpt: Checkpoint, archive: TorchArchive, names: list[str] | None, unnamed: str, *, shallow: bool = False) -> dict[str, Any]:
     """``optimizer.state_dict()`` saved with torch.save, into ``ckpt`` as
     ``optim/<state>/<name>`` and ``objects["optim.param_groups"]`` (names in
     place of positions). ``names``: the parameter names in position order, or
     None, when ``unnamed`` says why there are none: the weights are still read,
     and ``source["optimizer_error"]`` stops whoever needs the optimizer state.
-    Returns the optimizer state dict as the restricted unpickler read it."""
+    ``archive``: the file, opened (once) by the caller. Returns the optimizer
+    state dict as the restricted unpickler read it."""
     from .torch_save import _check_optimizer, add_param_state
 
-    archive = open_archive(file)
+    file = archive.path
     optim = archive.root
     _check_optimizer(optim, file.name, file)
     if not shallow:
@@ -227,28 +231,18 @@ def torch_file(rel: str, tensors: list[LogicalTensor], root: Callable[[dict[str,
 
 def positional_optimizer(ckpt: Checkpoint, outs: dict[str, TensorOut]) -> dict[str, Any]:
     """The optimizer state dict as ``optimizer.state_dict()`` writes it: state
-    and ``params`` keyed by position, group after group."""
+    and ``params`` keyed by position, group after group (``_layout.by_position``)."""
     per, groups = optimizer_tensors(ckpt)
-    extra_state = ckpt.objects.get("optim.state") or {}
-    position: dict[str, int] = {}
-    out_groups: list[dict[str, Any]] = []
-    for g in groups:
-        params = [p for p in g.get("params", [])]
-        for p in params:
-            position.setdefault(str(p), len(position))
-        out_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [position[str(p)] for p in params]})
-    missing = [fqn for fqn in per if fqn not in position]
-    if missing:
-        raise RavexError(f"{ckpt.path}: optimizer state for '{missing[0]}', which no param group lists",
-                         hint="the checkpoint's param groups do not match its state; convert the weights alone with --weights-only",
-                         path=ckpt.path)
-    state: dict[int, dict[str, Any]] = {}
-    for fqn, pos in position.items():
-        entry: dict[str, Any] = {s: outs[t.name] for s, t in per.get(fqn, {}).items()}
-        entry.update((extra_state.get(fqn) or {}) if isinstance(extra_state, dict) else {})
-        if entry:
-            state[pos] = entry
-    return {"state": state, "param_groups": out_groups}
+    extra_state = ckpt.objects.get("optim.state")
+    state: dict[str, dict[str, Any]] = {fqn: {s: outs[t.name] for s, t in states.items()} for fqn, states in per.items()}
+    for fqn, values in (extra_state.items() if isinstance(extra_state, dict) else ()):
+        if isinstance(values, dict):
+            state.setdefault(fqn, {}).update(values)
+    try:
+        return by_position(state, groups)
+    except ValueError as exc:
+        raise RavexError(f"{ckpt.path}: {exc}", hint="the checkpoint's param groups do not match its state; convert the weights alone with --weights-only",
+                         path=ckpt.path) from None
 
 
 def optimizer_file(rel: str, ckpt: Checkpoint, opts: Options) -> OutFile | None:

@@ -69,32 +69,23 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
     ckpt = Checkpoint("accelerate", path, world_size=1, tensors=weights.tensors, aliases=weights.aliases, notes=weights.notes)
     optim: dict[str, Any] | None = None
     if (path / OPTIMIZER).is_file():
-        root = open_archive(path / OPTIMIZER).root
+        from .torch_save import _step
+
+        archive = open_archive(path / OPTIMIZER)
+        root = archive.root
         if shallow and param_names is None:
             optim = root
         else:
             names, how = (param_names, "names from --param-names") if param_names is not None else (
                 names_by_shape(ckpt, root) if isinstance(root, dict) else (None, "the file holds no optimizer state dict"))
-            optim = read_optimizer(ckpt, path / OPTIMIZER, names, how, shallow=shallow)
+            optim = read_optimizer(ckpt, archive, names, how, shallow=shallow)
             if names is not None:
                 ckpt.notes.append(f"optimizer positions: {how}")
-        ckpt.step = _step(root)
+        ckpt.step = _step(archive, None, root if isinstance(root, dict) else None)  # the optimizer's own step count
     if (path / SCHEDULER).is_file():
-        ckpt.objects["lr_scheduler"] = read_small(path / SCHEDULER, ckpt, "obj/lr_scheduler")
+        ckpt.objects["lr_scheduler"] = read_small(path / SCHEDULER, ckpt, "obj/lr_scheduler", shallow=shallow)
     carry_rest(ckpt, path, {WEIGHTS, OPTIMIZER, SCHEDULER})
     return ckpt, optim
-
-
-def _step(root: Any) -> int | None:
-    """The scheduler-free step: the optimizer's, where its state holds a Python number
-    (a tensor step needs its bytes; the Ravex model carries it as a tensor)."""
-    if not isinstance(root, dict):
-        return None
-    for per in (root.get("state") or {}).values():
-        s = per.get("step") if isinstance(per, dict) else None
-        if isinstance(s, int) and not isinstance(s, bool) and s >= 0:
-            return s
-    return None
 
 
 def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:

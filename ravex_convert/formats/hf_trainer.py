@@ -140,22 +140,27 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
     ckpt.step = step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
     optim: dict[str, Any] | None = None
     if (path / OPTIMIZER).is_file():
+        archive = open_archive(path / OPTIMIZER)
         if shallow and param_names is None:
-            optim = open_archive(path / OPTIMIZER).root  # shown by position: no architecture rebuilt (no torch) for inspect
+            optim = archive.root  # shown by position: no architecture rebuilt (no torch) for inspect
         else:
             names, how = param_names, "names from --param-names"
             if names is None:
-                root = open_archive(path / OPTIMIZER).root
+                root = archive.root
                 groups = [len(g.get("params", [])) for g in root.get("param_groups") or [] if isinstance(g, dict)] if isinstance(root, dict) else []
                 names, how = architecture_order(path, groups)
-            optim = read_optimizer(ckpt, path / OPTIMIZER, names, how, shallow=shallow)
+            optim = read_optimizer(ckpt, archive, names, how, shallow=shallow)
             if names is not None:
                 ckpt.notes.append(f"optimizer positions: {how}")
     if (path / SCHEDULER).is_file():
-        ckpt.objects["lr_scheduler"] = read_small(path / SCHEDULER, ckpt, "obj/lr_scheduler")
-    parsed = {STATE, OPTIMIZER, SCHEDULER, zero.LATEST} | (set() if _deepspeed(path) else set(_weight_files(path)))
-    carry_rest(ckpt, path, parsed, {str(ckpt.source.get("tag"))})
+        ckpt.objects["lr_scheduler"] = read_small(path / SCHEDULER, ckpt, "obj/lr_scheduler", shallow=shallow)
+    carry_rest(ckpt, path, _parsed(path), {str(ckpt.source.get("tag"))})
     return ckpt, optim
+
+
+def _parsed(path: Path) -> set[str]:
+    """The files of the directory that Ravex parses (the rest are carried)."""
+    return {STATE, OPTIMIZER, SCHEDULER, zero.LATEST} | (set() if _deepspeed(path) else set(_weight_files(path)))
 
 
 def _weight_files(path: Path) -> list[str]:
@@ -175,21 +180,22 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
     from .torch_save import _optimizer_info
 
     if _deepspeed(path):
+        # ZeRO's own describe for the ZeRO part (metadata only), the Trainer's files by name
         info = zero.describe(path, reasons)
         info.format, info.variant = "hf_trainer", f"deepspeed {info.variant}"
-        ckpt, _ = _read(path, shallow=True)
+        parsed = _parsed(path)
+        carried = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in parsed)
         info.files = [FileInfo(p.name, p.stat().st_size, "trainer_state" if p.name == STATE else "carried")
                       for p in sorted(path.iterdir()) if p.is_file() and p.name != zero.LATEST] + info.files
-        info.notes = [*info.notes, *(n for n in ckpt.notes if n not in info.notes)]
-        info.extra["carried"] = sorted((ckpt.objects.get("extra") or {}).get(FILES, {}))
+        info.notes = [n for n in info.notes if not n.startswith("left out: ")]  # the ZeRO reader's view: these are carried here
+        if carried:
+            info.notes.append(f"carried as bytes, not parsed: {', '.join(carried)}")
+        info.extra["carried"] = carried
         return info
     ckpt, optim = _read(path, param_names, shallow=True)
     info = CheckpointInfo("hf_trainer", "checkpoint", str(path), world_size=1, step=ckpt.step, reasons=reasons)
-    roles = {STATE: "trainer_state", OPTIMIZER: "optimizer", SCHEDULER: "scheduler"}
-    for p in sorted(path.iterdir()):
-        if p.is_file():
-            role = roles.get(p.name) or ("weights" if p.name in _weight_files(path) else "carried")
-            info.files.append(FileInfo(p.name, p.stat().st_size, role))
+    roles = {STATE: "trainer_state", OPTIMIZER: "optimizer", SCHEDULER: "scheduler", **dict.fromkeys(_weight_files(path), "weights")}
+    info.files = [FileInfo(p.name, p.stat().st_size, roles.get(p.name, "carried")) for p in sorted(path.iterdir()) if p.is_file()]
     info.tensors = [TensorInfo(n[len(MODEL):], t.shape, t.dtype) for n, t in ckpt.tensors.items() if n.startswith(MODEL)]
     info.aliases = {a[len(MODEL):]: t[len(MODEL):] for a, t in ckpt.aliases.items() if a.startswith(MODEL)}
     if optim is not None:
