@@ -13,10 +13,11 @@ planner checks every chunk's byte range against its file's size; a 4.9 TB checkp
 
 Then what the writers do before the first byte moves, and nothing else (no file is created, no byte copied):
 
-- ``dcp``: ``select`` + ``dcp_write.plan_write`` (the per-rank items: every dim-0 box as a ``torch.save`` archive
-  layout, and the ``.metadata`` pickle) + ``plan.copy_job`` over its files (the one executor job ``plan.run`` gives a
-  process that writes them all) + ``_core.plan_summary`` over that job (the Rust planner and validation ``execute``
-  runs before copying);
+- ``dcp``: ``select`` + ``dcp_write.plan_write`` (one entry per key: the ``torch.save`` archive layouts of its shard
+  shapes; the core's ``DcpLayout`` places every item and sizes ``.metadata``) + rank 0's own file: its records and
+  ``plan.copy_job`` over it (the job ``plan.run`` gives that rank) + ``_core.plan_summary`` over that job (the Rust
+  planner and validation ``execute`` runs before copying). Outside the plan, timed on their own: ``.metadata`` made at
+  the commit, and one process's job over every file (``ravex convert`` without torchrun);
 - ``safetensors``: weights only, ``--dtype bfloat16 --max-shard-size 5GB``: ``select`` + ``safetensors.plan_write``
   (shards, headers, the index) + ``plan.copy_job`` + ``_core.plan_summary``;
 - ``dry-run``: ``convert.plan`` (what ``ravex convert --dry-run`` prints: every tensor into one whole target).
@@ -199,18 +200,39 @@ def synthetic_zero3(shape: Shape, root: Path) -> Checkpoint:
 
 
 def plan_dcp(ckpt: Checkpoint, ws: int, rust: Callable[[CopyJob], Any]) -> dict[str, Any]:
+    """What every rank does before its first byte moves: the plan of the whole output (one entry per key; the
+    core places the items), then its own file's records and job (rank 0's here: every rank's is alike)."""
     opts = Options(world_size=ws)
     out = select(ckpt, opts)
     phases: dict[str, float] = {}
     t = time.perf_counter()
-    plan = dcp_write.plan_write(out, Path("/nonexistent/dst"), opts)  # the per-rank item layouts and the .metadata pickle
+    plan = dcp_write.plan_write(out, Path("/nonexistent/dst"), opts)  # the core's DcpLayout, .metadata sized
     phases["plan_write"] = time.perf_counter() - t
     t = time.perf_counter()
-    job, crc_ranges = copy_job(plan.files, [Path("/nonexistent/dst") / f.rel for f in plan.files])
-    phases["copy job"] = time.perf_counter() - t
-    meta = plan.commit[0][1] if isinstance(plan.commit, list) else b""
+    job, crc_ranges = copy_job(plan.files[:1], [Path("/nonexistent/dst") / plan.files[0].rel])
+    phases["rank 0: its records + copy job"] = time.perf_counter() - t
     return {"phases": phases, "job": job, "summary": rust(job), "items": plan.summary["items"], "files": ws + 1,
-            "out_bytes": plan.summary["bytes"], "metadata_bytes": len(meta), "crc_ranges": len(crc_ranges)}
+            "out_bytes": plan.summary["bytes"], "crc_ranges": len(crc_ranges), "plan": plan}
+
+
+def after_dcp(plan: Any) -> dict[str, Any]:
+    """Outside the plan: the coordinator's ``.metadata`` at the commit, and one process's job over every file."""
+    gc.collect()
+    before = _status()["VmRSS"]
+    R.reset_peak()
+    t = time.perf_counter()
+    meta = plan.commit({})[0][1]
+    res: dict[str, Any] = {"metadata_s": time.perf_counter() - t, "metadata_bytes": len(meta), "metadata_rss": _status()["VmHWM"] - before}
+    del meta
+    gc.collect()
+    before = _status()["VmRSS"]
+    R.reset_peak()
+    t = time.perf_counter()
+    job, _ = copy_job(plan.files, [Path("/nonexistent/dst") / f.rel for f in plan.files])
+    _core.plan_summary(job.sources, job.targets, job.tensors)
+    res.update(one_process_s=time.perf_counter() - t, one_process_rss=_status()["VmHWM"] - before,
+               one_process_target_chunks=sum(len(x[2]) for x in job.tensors))
+    return res
 
 
 def plan_safetensors(ckpt: Checkpoint, ws: int, rust: Callable[[CopyJob], Any]) -> dict[str, Any]:
@@ -304,6 +326,9 @@ def measure(key: str, target: str, runs: int, workdir: Path) -> dict[str, Any]:
         # what is left: select, and freeing the plan's objects as the writer's function returns (seconds at 405B DCP)
         phases["select, freeing, rest"] = times[-1] - sum(phases.values())
         phases_all.append(phases)
+        if i == 0 and "plan" in out:
+            res.update(after_dcp(out.pop("plan")))
+        out.pop("plan", None)
         if i == 0:
             s = out["summary"]
             job = out["job"]
@@ -436,9 +461,12 @@ METHOD = (
     "save (fp32 master + AdamW `exp_avg`, `exp_avg_sq` and a 0-d `step` per parameter; `stage3_pieces` places every "
     "parameter's `ceil(numel/ws)`-element pieces in each rank's sub-group tensors, `sub_group_size` 1e9), pointing into "
     "sparse rank files of the right size. Each (shape, target) runs in a fresh interpreter; **plan** is everything the "
-    "writer does before its first byte moves: `select`, the writer's layout (DCP: `_plan`, the per-rank `torch.save` item "
-    "layouts, and `_metadata`, the `.metadata` pickle; safetensors: shards, headers, index), the `CopyJob` it hands the "
-    "core, and `_core.plan_summary` on that job (the Rust planner + validation `execute` runs first). The `dry-run` rows "
+    "writer does before its first byte moves: `select`, the writer's layout, the `CopyJob` it hands the core, and "
+    "`_core.plan_summary` on that job (the Rust planner + validation `execute` runs first). DCP: `plan_write` (one entry per "
+    "key: the `torch.save` archive layouts of its few shard shapes; the core's `DcpLayout` places every item and sizes "
+    "`.metadata`), then what each rank does for its own file (rank 0's: its items' records, and its job, whose source chunks "
+    "are those that reach its rows); the `.metadata` itself is made at the commit, and one process writing every file "
+    "builds every file's records: both are in their own table below. Safetensors: shards, headers, index, and one job. The `dry-run` rows "
     "are `convert.plan` (`ravex convert --dry-run`). Time: median of {runs} runs (a single run where the runs so far took "
     "over {repeat:.0f} s). **plan RSS**: peak RSS above the RSS before planning (`VmHWM` reset via "
     "`/proc/self/clear_refs`), Python objects and Rust alike; **Rust RSS**: the same around the `plan_summary` call alone; "
@@ -448,7 +476,7 @@ METHOD = (
     "share of the Rust call that is argument conversion. The source model's own memory is not in these: it is listed "
     "separately below. DCP targets: FSDP2 dim-0 shards at the output world size; safetensors: weights only, "
     "`--dtype bfloat16 --max-shard-size 5GB`. **source chunks** / **target chunks**: the chunks the job hands the core "
-    "(safetensors: the weights' only); **copy runs**: the planner's runs. Targets (issue 13): plan ≤ 1 s and ≤ 100 MB "
+    "(DCP: rank 0's job; safetensors: the weights' only); **copy runs**: the planner's runs. Targets (issue 13): plan ≤ 1 s and ≤ 100 MB "
     "(checked on plan RSS)."
 )
 MARK = "<!-- observations -->"  # what follows it in the doc is kept when the doc is rewritten
@@ -497,8 +525,15 @@ def write_doc(results: list[dict[str, Any]], meta: dict[str, Any], path: str) ->
         lines.append(f"| {sh['name']} | {sh['src_ws']} | {r['source_chunks']:,} | {r['build_s']:.2f} s | {_mb(r['source_model_rss'])} |")
     extra = [r for r in results if r["target"] == "dcp"]
     if extra:
-        lines += ["", "DCP outputs: " + "; ".join(f"{r['shape']['name']}: {r.get('items', 0):,} items in {r['out_files']} files, "
-                                                  f".metadata {_mb(r.get('metadata_bytes'))}" for r in extra) + "."]
+        lines += ["", ("DCP outputs, and what happens outside the plan: the coordinator's `.metadata` at the commit (made by the core "
+                       "from the plan), and one process writing every rank file (every file's records and one job over them: "
+                       "`ravex convert` without torchrun):"), "",
+                  "| model | items | files | .metadata | its time / RSS at the commit | one process, every file: job time / RSS | target chunks |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in extra:
+            lines.append(f"| {r['shape']['name']} | {r.get('items', 0):,} | {r['out_files']} | {_mb(r.get('metadata_bytes'))} "
+                         f"| {r.get('metadata_s', 0):.2f} s / {_mb(r.get('metadata_rss'))} "
+                         f"| {r.get('one_process_s', 0):.2f} s / {_mb(r.get('one_process_rss'))} | {r.get('one_process_target_chunks', 0):,} |")
     lines += ["", "Plan time against chunks (D = dcp; S = safetensors, R = dry-run on their own scale):", "", "```"]
     for group in (("dcp",), ("safetensors", "dry-run")):
         rows = [r for r in results if r["target"] in group]

@@ -11,10 +11,11 @@ raises :class:`InternalError` (a ``RuntimeError``): a bug, not bad data.
 """
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, final
 
 __all__ = [
     "CorruptSourceError",
+    "DcpLayout",
     "InternalError",
     "__version__",
     "checksum_ranges",
@@ -53,6 +54,38 @@ _DType: TypeAlias = Literal["float32", "float64", "float16", "bfloat16", "int64"
 _FileChunk: TypeAlias = tuple[int, int, _Region, _DType]
 # One logical tensor to copy: (global shape, source chunks, target chunks).
 _Tensor: TypeAlias = tuple[Sequence[int], Sequence[_FileChunk], Sequence[_FileChunk]]
+
+# One key of a DCP output: (key, nesting, kind, dtype, shape, totals); kind 0 a tensor cut
+# on dim 0, 1 a tensor stored whole, 2 a non-tensor; totals the item archive's size for a
+# full, the last (shorter) and an empty shard (kinds 1 and 2: the first only).
+_DcpLeaf: TypeAlias = tuple[str, Sequence[str | int], int, str, Sequence[int], tuple[int, int, int]]
+
+@final
+class DcpLayout:
+    """A DCP output laid out from one description per key: FSDP2's dim-0 shards
+    in ``torch.chunk`` sizes (ranks past the data share one empty item at offset
+    ``rows``), then each whole tensor or non-tensor on the least loaded rank;
+    every rank file's items in key order, back to back.
+
+    Raises ``ValueError`` for a malformed leaf, a world size of 0, or a rank
+    file that would pass 2**63 bytes."""
+
+    def __new__(cls, leaves: Sequence[_DcpLeaf], world_size: int) -> DcpLayout: ...
+    @property
+    def file_sizes(self) -> list[int]:
+        """Each rank file's size in bytes."""
+    def __len__(self) -> int:
+        """How many items."""
+    def items_of(self, rank: int) -> list[tuple[int, int, int, int, int, int]]:
+        """Rank ``rank``'s items in file order: ``(leaf, index, offset, total, row0, rows)``."""
+    def items(self) -> list[tuple[int, int, int, int, int, int, int]]:
+        """Every item in key order: ``(leaf, index, rank, offset, total, row0, rows)``."""
+    def metadata(self, current: bool, save_id: str) -> bytes:
+        """The ``.metadata`` pickle, as ``FileSystemWriter.finish`` pickles torch 2.15's
+        classes (``current``: ``TensorProperties`` with its ``strides``; else the five
+        fields torch 2.4 to 2.14 read)."""
+    def metadata_size(self, current: bool, save_id: str) -> int:
+        """The length of :meth:`metadata`'s bytes, without making them."""
 
 def plan_runs(
     global_shape: Sequence[int],

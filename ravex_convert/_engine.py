@@ -172,7 +172,15 @@ class CopyJob:
 
     def add(self, tensor: LogicalTensor, targets: list[Target]) -> None:
         # another rank's chunk (a run on many ranks writing its shards where they are) has no bytes here
-        src = [self.table.chunk(c) for c in tensor.chunks if not (c.owner is not None and c.data is None and c.file is None)]
+        chunks = [c for c in tensor.chunks if not (c.owner is not None and c.data is None and c.file is None)]
+        spans = [s for s in (span(t.region, tensor.shape) for t in targets) if s is not None]
+        if spans:
+            lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+            if lo > 0 or hi < _prod(tensor.shape):
+                # targets in part of the tensor (one rank's shards of it): only the chunks whose
+                # elements reach that part, so a rank's job does not list every rank's chunks
+                chunks = [c for c in chunks if (cs := span(c.region, tensor.shape)) is not None and cs[0] < hi and cs[1] > lo]
+        src = [self.table.chunk(c) for c in chunks]
         dst = [(t.file, t.offset, core_region(t.region), t.dtype) for t in targets]
         self.tensors.append((list(tensor.shape), src, dst))
         self.names.append(tensor.name)
@@ -313,6 +321,22 @@ def _shown_name(name: str) -> str:
         _, state, fqn = (name.split("/", 2) + ["", ""])[:3]
         return f"optim.{state}/{fqn}"
     return name
+
+
+def span(region: Region, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The row-major indices from the region's first element to one past its last
+    (every element of the region lies in between), or None for an empty region."""
+    if isinstance(region, Flat):
+        return (region.start, region.start + region.length) if region.length else None
+    if len(region.sizes) != len(shape) or _prod(region.sizes) == 0:
+        return None
+    lo = hi = 0
+    stride = 1
+    for j in reversed(range(len(shape))):
+        lo += region.offsets[j] * stride
+        hi += (region.offsets[j] + region.sizes[j] - 1) * stride
+        stride *= shape[j]
+    return lo, hi + 1
 
 
 def flat_range(region: Region, shape: tuple[int, ...]) -> tuple[int, int] | None:

@@ -50,6 +50,17 @@ class OutFile:
     seal: Callable[[Path, Any], Any] | None = None
     # The rank that must write this file (it alone holds the bytes), else any: see assign().
     rank: int | None = None
+    # Fills ``small``, ``fills``, ``crc_ranges`` and ``finish`` when the file is about to be
+    # written, by the rank that writes it: a plan of many items (DCP at scale) then holds one
+    # entry per key, and each rank builds only its own files' records.
+    build: Callable[[OutFile], None] | None = None
+
+    def records(self) -> OutFile:
+        """This file with its records built (once)."""
+        if self.build is not None:
+            build, self.build = self.build, None
+            build(self)
+        return self
 
 
 Commit = list[tuple[str, bytes]] | Callable[[dict[str, Any]], list[tuple[str, bytes]]]
@@ -94,6 +105,7 @@ def copy_job(files: list[OutFile], paths: list[Path]) -> tuple[CopyJob, list[tup
     per_tensor: dict[int, tuple[LogicalTensor, list[Target]]] = {}
     crc_ranges: list[tuple[int, int, int]] = []
     for f, path in zip(files, paths, strict=True):
+        f.records()
         ti = job.target(path)
         for t, offset, region, dtype in f.fills:
             per_tensor.setdefault(id(t), (t, []))[1].append(Target(ti, offset, region, dtype))
@@ -111,6 +123,7 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, thre
     results: dict[str, Any] = {}
     try:
         for f in mine:
+            f.records()
             sink = out.scratch(f.size) if f.scratch else out.sink(f.rel, f.size)
             sinks.append(sink)
             for offset, data in f.small:

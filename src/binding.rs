@@ -15,11 +15,12 @@ use std::path::PathBuf;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyString, PyTuple};
 
 use crate::checksum::{checksum_ranges as checksum_ranges_impl, xxh3_64_bytes, Algo};
 use crate::compare::{compare as compare_impl, Tolerance};
 use crate::compress;
+use crate::dcp::{self, Item, Leaf, LeafKind, PathItem};
 use crate::dtype::DType;
 use crate::exec::{self, Job, Options, Stats, TensorJob, DEFAULT_WINDOW_BYTES};
 use crate::files::{ChunkRef, Error, Memory, Side, Source, Target};
@@ -727,6 +728,133 @@ fn compare<'py>(
     Ok((c.n_diff, c.first_diff, c.max_abs_diff))
 }
 
+fn dcp_leaf(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<Leaf> {
+    let what = format!("leaves[{i}]");
+    let bad = || PyValueError::new_err(format!("{what} must be (key, path, kind, dtype, shape, totals), got {}", show(obj)));
+    let t = obj.cast::<PyTuple>().map_err(|_| bad())?;
+    if t.len() != 6 {
+        return Err(bad());
+    }
+    let key: String = t.get_item(0)?.extract().map_err(|_| bad())?;
+    let path_items: Vec<Bound<'_, PyAny>> = t.get_item(1)?.extract().map_err(|_| bad())?;
+    let mut path = Vec::with_capacity(path_items.len());
+    for x in &path_items {
+        if x.is_instance_of::<PyString>() {
+            path.push(PathItem::Str(x.extract()?));
+        } else if x.is_instance_of::<PyInt>() {
+            path.push(PathItem::Int(x.extract().map_err(|_| bad())?));
+        } else {
+            return Err(PyValueError::new_err(format!("{what} path items must be str or int, got {}", show(x))));
+        }
+    }
+    let kind = match t.get_item(2)?.extract::<u8>().map_err(|_| bad())? {
+        0 => LeafKind::Sharded,
+        1 => LeafKind::Whole,
+        2 => LeafKind::Bytes,
+        k => return Err(PyValueError::new_err(format!("{what} kind must be 0, 1 or 2, got {k}"))),
+    };
+    let dtype: String = t.get_item(3)?.extract().map_err(|_| bad())?;
+    let shape = non_negative_ints(&t.get_item(4)?, &format!("{what} shape"))?;
+    let totals = non_negative_ints(&t.get_item(5)?, &format!("{what} totals"))?;
+    let totals: [u64; 3] = totals
+        .try_into()
+        .map_err(|_| PyValueError::new_err(format!("{what} totals must be three ints")))?;
+    Ok(Leaf { key, path, kind, dtype, shape, totals })
+}
+
+/// A rank's item as Python gets it: `(leaf, index, offset, total, row0, rows)`.
+type RankItem = (u32, u32, u64, u64, u64, u64);
+
+/// A DCP output's layout (`dcp::place`): its items, each rank file's size,
+/// and its `.metadata`, from one description per key.
+#[pyclass(frozen, module = "ravex_convert._core")]
+struct DcpLayout {
+    leaves: Vec<Leaf>,
+    items: Vec<Item>,
+    sizes: Vec<u64>,
+    by_rank: Vec<u32>,      // item indices, grouped by rank, in file order
+    rank_starts: Vec<usize>, // by_rank[rank_starts[r]..rank_starts[r + 1]]: rank r's items
+}
+
+#[pymethods]
+impl DcpLayout {
+    /// `leaves`: `(key, path, kind, dtype, shape, totals)` per key in the
+    /// flattened state's order; kind 0: a tensor cut on dim 0, 1: a tensor
+    /// stored whole, 2: a non-tensor; totals: the item archive's size for a
+    /// full, the last (shorter) and an empty shard (kinds 1 and 2: the first).
+    #[new]
+    fn new(py: Python<'_>, leaves: &Bound<'_, PyAny>, world_size: usize) -> PyResult<Self> {
+        let objs = list(leaves, "leaves", "tuples")?;
+        let leaves = objs.iter().enumerate().map(|(i, x)| dcp_leaf(x, i)).collect::<PyResult<Vec<_>>>()?;
+        let (leaves, items, sizes, by_rank, rank_starts) = py
+            .detach(move || -> Result<_, dcp::LayoutError> {
+                let (items, sizes) = dcp::place(&leaves, world_size)?;
+                let mut rank_starts = vec![0usize; world_size + 1];
+                for it in &items {
+                    rank_starts[it.rank as usize + 1] += 1;
+                }
+                for r in 0..world_size {
+                    rank_starts[r + 1] += rank_starts[r];
+                }
+                let mut fill = rank_starts.clone();
+                let mut by_rank = vec![0u32; items.len()];
+                for (i, it) in items.iter().enumerate() {
+                    by_rank[fill[it.rank as usize]] = i as u32;
+                    fill[it.rank as usize] += 1;
+                }
+                Ok((leaves, items, sizes, by_rank, rank_starts))
+            })
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(DcpLayout { leaves, items, sizes, by_rank, rank_starts })
+    }
+
+    /// Each rank file's size in bytes.
+    #[getter]
+    fn file_sizes(&self) -> Vec<u64> {
+        self.sizes.clone()
+    }
+
+    fn __len__(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Rank `rank`'s items in file order: `(leaf, index, offset, total, row0, rows)`.
+    fn items_of(&self, rank: usize) -> PyResult<Vec<RankItem>> {
+        if rank + 1 >= self.rank_starts.len() {
+            return Err(PyValueError::new_err(format!("rank {rank} is not in a layout of {} ranks", self.sizes.len())));
+        }
+        Ok(self.by_rank[self.rank_starts[rank]..self.rank_starts[rank + 1]]
+            .iter()
+            .map(|&i| {
+                let it = &self.items[i as usize];
+                (it.leaf, it.index, it.offset, it.total, it.row0, it.rows)
+            })
+            .collect())
+    }
+
+    /// Every item in key order: `(leaf, index, rank, offset, total, row0, rows)`.
+    fn items(&self) -> Vec<(u32, u32, u32, u64, u64, u64, u64)> {
+        self.items
+            .iter()
+            .map(|it| (it.leaf, it.index, it.rank, it.offset, it.total, it.row0, it.rows))
+            .collect()
+    }
+
+    /// The length of [`DcpLayout::metadata`]'s bytes, without making them.
+    fn metadata_size(&self, py: Python<'_>, current: bool, save_id: &str) -> PyResult<usize> {
+        py.detach(|| dcp::metadata_len(&self.leaves, &self.items, current, save_id))
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
+    /// The `.metadata` pickle (`current`: with `TensorProperties.strides`, as torch 2.15 writes it).
+    fn metadata<'py>(&self, py: Python<'py>, current: bool, save_id: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = py
+            .detach(|| dcp::metadata(&self.leaves, &self.items, current, save_id))
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -749,5 +877,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decompress_frame, m)?)?;
     m.add_function(wrap_pyfunction!(decompress_frame_to, m)?)?;
     m.add_function(wrap_pyfunction!(compare, m)?)?;
+    m.add_class::<DcpLayout>()?;
     Ok(())
 }

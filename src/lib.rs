@@ -6,13 +6,16 @@
 //! [`exec`] runs those plans over files (memory maps, casts between float
 //! dtypes from [`dtype`], positional writes, a thread pool, a bounded copy
 //! window). [`checksum`], [`compress`] and [`compare`] hash, frame and compare
-//! chunk bytes. Nothing here knows torch or pickle. The Python module
+//! chunk bytes. [`dcp`] lays out a DCP output's items and writes its
+//! `.metadata` pickle from one description per key (the one place here that
+//! knows torch's class names; nothing here imports or runs torch). The Python module
 //! `ravex_convert._core` is a thin layer over this, built only with the
 //! `python` feature.
 
 pub mod checksum;
 pub mod compare;
 pub mod compress;
+pub mod dcp;
 pub mod dtype;
 pub mod exec;
 pub mod files;

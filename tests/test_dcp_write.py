@@ -417,9 +417,10 @@ def _torch_metadata(plan: Any, form: str, save_id: str) -> Metadata:
     sd: dict[str, Any] = {}
     planner: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
+    by_key = plan.by_key()
     for key, path, value in plan.flat:
         planner[key] = path
-        items = plan.by_key[key]
+        items = by_key[key]
         if isinstance(value, dcp_write._Leaf):
             props = TensorProperties(dtype=getattr(torch, value.dtype))
             props.strides = dcp_write._strides(value.shape) if form == "current" else None
@@ -443,7 +444,7 @@ def test_metadata_written_without_torch_is_what_torch_classes_pickle(name: str, 
     fixed = uuid.UUID(int=7)
     monkeypatch.setattr(dcp_write.uuid, "uuid4", lambda: fixed)
     plan = dcp_write._plan(read_checkpoint(DATA / name / "checkpoint"), Options(world_size=3))
-    data = dcp_write._metadata(plan, form)
+    data = plan.layout.metadata(form == "current", str(fixed))
     mine = pickle.loads(data)
     # what torch's own pickling of those objects gives back (_StorageInfo drops its None fields)
     theirs = pickle.dumps(_torch_metadata(plan, form, str(fixed)), protocol=4)

@@ -50,11 +50,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import _core
 from .._layout import PathItem, StateLayout, layout_of, optimizer_tree, place
 from .._output import Options, out_dtype
-from .._torchwrite import STORAGE_TYPES, PickleDict, PickleGlobal, PickleObject, StorageOut, TensorOut, ZipLayout, dumps
+from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import RavexError
-from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, dim0_shards, itemsize
+from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize
 from ..plan import OutFile, WritePlan, run
 from .dcp import METADATA
 
@@ -238,22 +239,6 @@ class _Item:
         return self.file_offset + self.layout.entries[self.layout.data_entries[0]].data_offset
 
 
-def _dim0_boxes(shape: tuple[int, ...], world_size: int) -> list[tuple[int, Box]]:
-    """FSDP2's dim-0 shards (:func:`~ravex_convert.model.dim0_shards`), equal boxes
-    once (the first rank keeps it). Unlike the native store, which records no
-    empty chunk, DCP records the empty box of the ranks past the data, once, at
-    offset ``rows``, as DCP's save planner de-duplicates equal chunks: deliberate,
-    it is what ``dcp.save`` writes from an FSDP2 model."""
-    out: list[tuple[int, Box]] = []
-    seen: set[int] = set()
-    for r, box in dim0_shards(shape, world_size):
-        if box.offsets[0] in seen:
-            continue
-        seen.add(box.offsets[0])
-        out.append((r, box))
-    return out
-
-
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out: list[int] = []
     acc = 1
@@ -263,109 +248,117 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+# A key's kind, as the core's DcpLayout takes it
+_SHARDED, _WHOLE, _BYTES = 0, 1, 2
+
+
 @dataclass
 class _Plan:
+    """The output, one entry per key: the core's :class:`~ravex_convert._core.DcpLayout`
+    places every item (FSDP2's dim-0 shards, the rest on the least loaded rank)
+    and writes ``.metadata``; each key keeps the archive layouts of its few
+    distinct shard shapes (full, last, empty), so a rank file's items are built
+    only when that file is written (:meth:`items_of`)."""
+
     world_size: int
     flat: list[tuple[str, tuple[PathItem, ...], Any]]
-    items: list[_Item] = field(default_factory=list)
-    by_key: dict[str, list[_Item]] = field(default_factory=dict)
-    file_sizes: list[int] = field(default_factory=list)
+    layout: _core.DcpLayout
+    # per key: (full, last, empty) archive layouts of a sharded tensor; (whole,) otherwise
+    archives: list[tuple[_ItemLayout | None, ...]]
+    # per key: rows per full shard (a sharded tensor), else 0
+    per: list[int]
+
+    @property
+    def file_sizes(self) -> list[int]:
+        return list(self.layout.file_sizes)
+
+    def _item(self, leaf: int, index: int, rank: int, offset: int, row0: int, rows: int) -> _Item:
+        key, _, value = self.flat[leaf]
+        archives = self.archives[leaf]
+        if not isinstance(value, _Leaf):
+            return _Item(key, archives[0], None, None, rank, offset)  # type: ignore[arg-type]
+        if len(archives) == 1:
+            return _Item(key, archives[0], Box(tuple(0 for _ in value.shape), value.shape), index, rank, offset)  # type: ignore[arg-type]
+        which = 2 if rows == 0 else 0 if rows == self.per[leaf] else 1
+        box = Box((row0, *(0 for _ in value.shape[1:])), (rows, *value.shape[1:]))
+        return _Item(key, archives[which], box, index, rank, offset)  # type: ignore[arg-type]
+
+    def items_of(self, rank: int) -> list[_Item]:
+        """Rank ``rank``'s items, in their file's order."""
+        return [self._item(leaf, index, rank, offset, row0, rows)
+                for leaf, index, offset, _, row0, rows in self.layout.items_of(rank)]
+
+    def by_key(self) -> dict[str, list[_Item]]:
+        """Every item, by key (every item of the output as an object: for tests and small outputs)."""
+        out: dict[str, list[_Item]] = {key: [] for key, _, _ in self.flat}
+        for leaf, index, rank, offset, _, row0, rows in self.layout.items():
+            out[self.flat[leaf][0]].append(self._item(leaf, index, rank, offset, row0, rows))
+        return out
 
 
 def _plan(ckpt: Checkpoint, opts: Options, layout: str | None = None) -> _Plan:
     ws = opts.world_size
-    plan = _Plan(ws, _flatten(_state(ckpt, opts, layout)))
-    load = [0] * ws
-    floating: list[_Item] = []  # placed after the shards, on the least loaded rank
+    flat = _flatten(_state(ckpt, opts, layout))
     layouts: dict[tuple[str, tuple[int, ...]], _ItemLayout] = {}
-    for key, path, value in plan.flat:
-        items: list[_Item] = []
+
+    def tensor_archive(dtype: str, sizes: tuple[int, ...]) -> _ItemLayout:
+        # equal shards (same dtype and shape) have equal archives: one layout serves them all
+        shared = layouts.get((dtype, sizes))
+        if shared is None:
+            n = 1
+            for s in sizes:
+                n *= s
+            pkl = dumps(TensorOut(StorageOut("0", dtype, n), sizes))
+            shared = layouts[(dtype, sizes)] = _archive(pkl, n * itemsize(dtype))
+        return shared
+
+    leaves: list[tuple[str, tuple[PathItem, ...], int, str, list[int], tuple[int, int, int]]] = []
+    archives: list[tuple[_ItemLayout | None, ...]] = []
+    pers: list[int] = []
+    for key, path, value in flat:
         if isinstance(value, _Leaf):
             if value.sharded and value.shape:
-                boxes = _dim0_boxes(value.shape, ws)
-            else:
-                boxes = [(-1, Box(tuple(0 for _ in value.shape), value.shape))]
-            for i, (rank, box) in enumerate(boxes):
-                # equal shards (same dtype and shape) have equal archives: one layout serves them all
-                shared = layouts.get((value.dtype, box.sizes))
-                if shared is None:
-                    pkl = dumps(TensorOut(StorageOut("0", value.dtype, box.numel), box.sizes))
-                    shared = layouts[(value.dtype, box.sizes)] = _archive(pkl, box.numel * itemsize(value.dtype))
-                items.append(_Item(key, shared, box, i, rank))
+                rows, rest = value.shape[0], value.shape[1:]
+                per = -(-rows // ws)
+                nonempty = -(-rows // per) if per else 0
+                full = tensor_archive(value.dtype, (per, *rest)) if rows else None
+                last = tensor_archive(value.dtype, (rows - per * (nonempty - 1), *rest)) if rows and rows % per else None
+                empty = tensor_archive(value.dtype, (0, *rest)) if nonempty < ws else None
+                three = (full, last, empty)
+                leaves.append((key, path, _SHARDED, value.dtype, list(value.shape), tuple(a.total if a else 0 for a in three)))  # type: ignore[arg-type]
+                archives.append(three)
+                pers.append(per)
+                continue
+            whole = tensor_archive(value.dtype, value.shape)
+            leaves.append((key, path, _WHOLE, value.dtype, list(value.shape), (whole.total, 0, 0)))
         else:
             if _holds_tensor(value):
                 where = "/".join(map(str, path))
                 raise RavexError(f"the state value at '{where}' holds a tensor inside a tuple or set, which DCP would pickle whole",
                                  hint="keep tensors in dicts or lists in the extra state")
-            items.append(_Item(key, _archive(dumps(value), None)))
-        for it in items:
-            if it.rank >= 0:
-                load[it.rank] += it.layout.total
-            else:
-                floating.append(it)
-        plan.by_key[key] = items
-        plan.items.extend(items)
-    for it in floating:
-        it.rank = min(range(ws), key=lambda r: load[r])
-        load[it.rank] += it.layout.total
-    plan.file_sizes = [0] * ws
-    for it in plan.items:
-        it.file_offset = plan.file_sizes[it.rank]
-        plan.file_sizes[it.rank] += it.layout.total
-    return plan
+            whole = _archive(dumps(value), None)
+            leaves.append((key, path, _BYTES, "", [], (whole.total, 0, 0)))
+        archives.append((whole,))
+        pers.append(0)
+    try:
+        placed = _core.DcpLayout(leaves, ws)
+    except ValueError as exc:
+        raise RavexError(f"the DCP output cannot be laid out: {exc}") from None
+    return _Plan(ws, flat, placed, archives, pers)
 
 
 # ---------------------------------------------------------------- .metadata
 
-
-_MD = "torch.distributed.checkpoint.metadata"
-
-
-def _dataclass(name: str, state: dict[str, Any] | None, module: str = _MD) -> PickleObject:
-    """A dataclass instance as pickle writes it: ``cls.__new__(cls)``, then its ``__dict__``."""
-    return PickleObject(module, name, (), state=state or None, newobj=True)
-
-
-def _size(dims: tuple[int, ...]) -> PickleObject:
-    return PickleObject("torch", "Size", (tuple(dims),))
-
-
-def _metadata(plan: _Plan, form: str) -> bytes:
-    """``.metadata`` as ``FileSystemWriter.finish`` pickles torch 2.15's classes, written
-    without importing torch (the classes are named, never loaded): ``Metadata`` with
-    ``state_dict_metadata``, ``planner_data``, ``storage_data`` (``MetadataIndex`` ->
-    ``_StorageInfo``, which pickles without its None fields), ``storage_meta`` and
-    ``version``. ``TensorProperties`` pickles through its ``__getstate__``: dtype, layout,
-    requires_grad, the memory-format enum, pin_memory and (form "current") strides."""
-    sd_meta: dict[str, Any] = {}
-    planner: dict[str, tuple[PathItem, ...]] = {}
-    storage: list[tuple[Any, Any]] = []
-
-    def info(it: _Item) -> PickleObject:
-        return _dataclass("_StorageInfo", {"relative_path": _file_name(it.rank), "offset": it.file_offset, "length": it.layout.total},
-                          module="torch.distributed.checkpoint.filesystem")
-
-    for key, path, value in plan.flat:
-        planner[key] = path
-        items = plan.by_key[key]
-        if isinstance(value, _Leaf):
-            props: tuple[Any, ...] = (PickleGlobal("torch", value.dtype), PickleGlobal("torch", "strided"), False,
-                                      PickleObject(_MD, "_MEM_FORMAT_ENCODING", (0,)), False)
-            if form == "current":
-                props += (_strides(value.shape),)  # the global tensor's, as DTensor.stride() gives
-            chunks = [_dataclass("ChunkStorageMetadata", {"offsets": _size(it.box.offsets), "sizes": _size(it.box.sizes)})
-                      for it in items if it.box]
-            properties = PickleObject(_MD, "TensorProperties", (), state=props, newobj=True)
-            sd_meta[key] = _dataclass("TensorStorageMetadata", {"properties": properties, "size": _size(value.shape), "chunks": chunks})
-            for it in items:
-                index = {"fqn": key, "index": it.index, "offset": _size(it.box.offsets if it.box else ())}
-                storage.append((_dataclass("MetadataIndex", index), info(it)))
-        else:
-            sd_meta[key] = _dataclass("BytesStorageMetadata", None)
-            storage.append((_dataclass("MetadataIndex", {"fqn": key, "index": None}), info(items[0])))
-    meta: dict[str, Any] = {"checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None, "modules": []}
-    return dumps(_dataclass("Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner, "storage_data": PickleDict(tuple(storage)),
-                                         "storage_meta": _dataclass("StorageMeta", meta), "version": _DCP_VERSION}), memo=True)
+# ``.metadata`` is written by the core (``DcpLayout.metadata``, src/dcp.rs), as
+# ``FileSystemWriter.finish`` pickles torch 2.15's classes, without importing
+# torch: ``Metadata`` with ``state_dict_metadata``, ``planner_data`` (each key's
+# nesting), ``storage_data`` (``MetadataIndex(key, chunk offsets, chunk position)``
+# -> ``_StorageInfo(file, offset, length)``, which pickles without its None
+# fields; a non-tensor's index is ``MetadataIndex(key)``), ``storage_meta`` and
+# ``version``. ``TensorProperties`` pickles through its ``__getstate__``: dtype,
+# layout, requires_grad, the memory-format enum, pin_memory and (form
+# "current") strides. tests/test_dcp_plan.py holds the same pickle built from
+# Python objects, and torch's own classes, as its oracles.
 
 
 def _file_name(rank: int) -> str:
@@ -379,34 +372,52 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, metadata_form: str
     """Plan ``ckpt`` as a DCP checkpoint directory sharded as FSDP2 shards at
     ``opts.world_size`` ranks (see the module docstring), built beside ``dst``
     and renamed into place; ``.metadata`` is written last. ``metadata_form``:
-    ``"current"`` (torch >= 2.15 reads it) or ``"compat"`` (torch 2.4 and later)."""
+    ``"current"`` (torch >= 2.15 reads it) or ``"compat"`` (torch 2.4 and later).
+
+    The plan holds one entry per key, not per item: each rank file's records
+    are built by the rank that writes it (``OutFile.build``), and ``.metadata``
+    by the coordinator at the commit."""
     if metadata_form not in METADATA_FORMS:
         raise RavexError(f"metadata form '{metadata_form}' is unknown", hint=f"use one of {', '.join(METADATA_FORMS)}")
     if opts.world_size < 1:
         raise RavexError(f"--world-size {opts.world_size}: a DCP checkpoint needs at least one rank", hint="pass --world-size 1 or more")
     plan = _plan(ckpt, opts, layout)
-    meta = _metadata(plan, metadata_form)  # before any byte is written: torch's classes must accept it
     ws = plan.world_size
-    files = [OutFile(_file_name(r), plan.file_sizes[r]) for r in range(ws)]
-    for it in plan.items:
-        f = files[it.rank]
-        f.small += it.layout.small(it.file_offset)
-        f.crc_ranges += it.layout.ranges(it.file_offset)
-    for key, _, value in plan.flat:
-        if isinstance(value, _Leaf):
-            for it in plan.by_key[key]:
-                if it.box and it.box.numel:
-                    files[it.rank].fills.append((ckpt.tensors[value.source], it.data_offset, it.box, value.dtype))
-    for r, f in enumerate(files):
-        f.finish = _finisher([it for it in plan.items if it.rank == r])
-    total = sum(plan.file_sizes) + len(meta)
+    sizes = plan.file_sizes
+    files = [OutFile(_file_name(r), sizes[r], build=_builder(plan, ckpt, r)) for r in range(ws)]
+    current = metadata_form == "current"
+    save_id = str(uuid.uuid4())
+    meta_len = plan.layout.metadata_size(current, save_id)
     summary = {"files": [_file_name(r) for r in range(ws)] + [METADATA], "tensors": len(ckpt.tensors), "keys": len(plan.flat),
-               "items": len(plan.items), "bytes": total, "world_size": ws, "metadata_form": metadata_form}
+               "items": len(plan.layout), "bytes": sum(sizes) + meta_len, "world_size": ws, "metadata_form": metadata_form}
     notes = _layout(ckpt, layout)[1]
     if notes:
         summary["notes"] = notes
+
+    def commit(_: dict[str, Any]) -> list[tuple[str, bytes]]:
+        return [(METADATA, plan.layout.metadata(current, save_id))]
+
     # the commit point: .metadata, once every data file is complete and durable
-    return WritePlan(True, files, [(METADATA, meta)], summary, threads=opts.threads)
+    return WritePlan(True, files, commit, summary, threads=opts.threads)
+
+
+def _builder(plan: _Plan, ckpt: Checkpoint, rank: int) -> Callable[[OutFile], None]:
+    """Fills rank ``rank``'s file records: each item archive's small records,
+    the ranges whose CRC-32 its late records need, its tensor's bytes, and the
+    late records (headers with the CRC-32s, the central directory)."""
+
+    def build(f: OutFile) -> None:
+        items = plan.items_of(rank)
+        values = {key: value for key, _, value in plan.flat}
+        for it in items:
+            f.small += it.layout.small(it.file_offset)
+            f.crc_ranges += it.layout.ranges(it.file_offset)
+            value = values[it.key]
+            if it.box is not None and it.box.numel:
+                f.fills.append((ckpt.tensors[value.source], it.data_offset, it.box, value.dtype))
+        f.finish = _finisher(items)
+
+    return build
 
 
 def _finisher(items: list[_Item]) -> Callable[[list[int]], list[tuple[int, bytes]]]:
