@@ -108,6 +108,23 @@ def test_a_second_checkpoint_into_a_store_reuses_the_same_chunks_on_two_ranks(tm
     assert outs["one"] == outs["two"]  # the same chunks reused, the same written
 
 
+def test_two_ranks_write_a_store_on_object_storage_as_one_process_writes_a_local_one(tmp_path: Path) -> None:
+    """Rank 0 holds the lease and puts the manifest; rank 1 uploads its data objects into the
+    checkpoint's prefix; nothing is renamed (docs/format.md section 3, on object storage)."""
+    (tmp_path / "bucket").mkdir()
+    local, remote = tmp_path / "local", f"objdir://{tmp_path}/bucket/store"
+    for _ in range(2):  # the second checkpoint reuses the first's chunks
+        for dst, launch in ((local, None), (remote, 2)):
+            args = ["convert", str(DATA / "zero3_ws2_fp32" / "checkpoint"), str(dst), "--to", "native", "--world-size", "2", "--quiet"]
+            res = (subprocess.run([ravex_bin(), *args], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600, check=False)
+                   if launch is None else _torchrun(launch, args, tmp_path))
+            assert res.returncode == 0, res.stdout + res.stderr
+    assert _comparable(_files(tmp_path / "bucket" / "store")) == _comparable(_files(local))
+    assert not (tmp_path / "bucket" / "store" / "lock").exists()  # the lease went with its holder
+    res = subprocess.run([ravex_bin(), "verify", remote, str(local)], capture_output=True, text=True, env=_env(), timeout=600, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_a_refusal_on_rank_0_stops_every_rank(tmp_path: Path) -> None:
     dst = tmp_path / "out"
     dst.mkdir()

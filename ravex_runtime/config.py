@@ -127,6 +127,12 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
             return None
         if not isinstance(value, str) or not value:
             raise bad("expected a path")
+        if key == "storage.path" and value.startswith("objdir:"):
+            # Taken as a path, it would name a directory "objdir:" under the working directory.
+            raise ConfigError(f"{name} is {value!r}: the runtime does not write to object storage yet (its run lock, the "
+                              "storage probe and restore work on a filesystem)",
+                              hint="use a local or shared filesystem path; `ravex convert STORE objdir:...` copies a store "
+                                   "to object storage")
         p = Path(os.path.expanduser(value))
         return p if p.is_absolute() else base / p
     if kind == "bool":

@@ -20,7 +20,7 @@ from conftest import run_ravex
 from ravex_convert import _core, _engine
 from ravex_convert._output import Options
 from ravex_convert.errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, UnsafeCheckpointError
-from ravex_convert.formats import native, native_write
+from ravex_convert.formats import native, native_store, native_write
 from ravex_convert.formats.native_check import _flat_boxes, _tiling_problem
 from ravex_convert.model import Box, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink
 
@@ -111,7 +111,7 @@ def test_a_lock_swapped_for_a_link_after_the_check_is_not_followed(store: Path, 
     victim.write_text("precious")
     (store / "lock").unlink()
     (store / "lock").symlink_to(victim)
-    monkeypatch.setattr(native_write, "_refuse_links", lambda store: None)  # the race: the link appears after the check
+    monkeypatch.setattr(native_store, "refuse_links", lambda store: None)  # the race: the link appears after the check
     with pytest.raises(UnsafeCheckpointError, match="lock: is a symbolic link"):
         native_write.write(tiny(), store, Options())
     assert victim.read_text() == "precious"

@@ -4,6 +4,7 @@ the commit protocol hold, and damage is reported by the reader."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
@@ -12,6 +13,7 @@ import re
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,10 @@ from ravex_convert._tagged import decode
 from ravex_convert.errors import CorruptCheckpointError, RavexError
 from ravex_convert.formats import dcp, native, native_write, torch_save, zero
 from ravex_convert.model import Box, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, itemsize
+from ravex_convert.storage import ABSENT, resolve
 
 LANES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+OBJDIR = os.environ.get("RAVEX_STORAGE") == "objdir"  # every store goes through the object-store-semantics backend
 
 
 # ---------------------------------------------------------------- helpers
@@ -267,25 +271,44 @@ def test_inspect_json_reports_the_store(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the lock, crashes, refusals
 
 
-def test_lock_held_is_a_clear_error(tmp_path: Path, pt_files: dict[str, Path]) -> None:
-    store = tmp_path / "s"
-    src = torch_save.read(pt_files["a"])
-    native_write.write(src, store, Options())
+@contextlib.contextmanager
+def held_by_another(store: Path, note: dict[str, Any]) -> Iterator[None]:
+    """The store's lock held by another writer, as it holds it on this backend: an flock on
+    ``<store>/lock`` with its note inside, or (RAVEX_STORAGE=objdir) the lease object."""
+    if OBJDIR:
+        storage, key = resolve(store / "lock")
+        storage.put(key, json.dumps(note).encode(), if_generation=ABSENT)
+        try:
+            yield
+        finally:
+            storage.delete(key)
+        return
     fd = os.open(store / "lock", os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": 4242, "host": "node-7", "run_id": "other-run", "since_unix": 1718000000.75}).encode(), 0)
+        os.pwrite(fd, json.dumps(note).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_lock_held_is_a_clear_error(tmp_path: Path, pt_files: dict[str, Path]) -> None:
+    store = tmp_path / "s"
+    src = torch_save.read(pt_files["a"])
+    native_write.write(src, store, Options())
+    with held_by_another(store, {"pid": 4242, "host": "node-7", "run_id": "other-run", "since_unix": 1718000000.75}):
         with pytest.raises(RavexError) as err:
             native_write.write(src, store, Options())
         assert "another process is writing" in err.value.message and "pid 4242 on host node-7, run other-run" in err.value.message
         assert err.value.exit_code >= 2 and err.value.hint
         with pytest.raises(RavexError, match="pid 4242"):
             native_write.prune(store, 1)
-    finally:
-        os.close(fd)
     assert native_write.write(src, store, Options())["index"] == 1  # released: the next writer goes ahead
-    assert json.loads((store / "lock").read_text())["pid"] == os.getpid()
+    if OBJDIR:
+        assert not (store / "lock").exists()  # a lease object lives while it is held
+    else:
+        assert json.loads((store / "lock").read_text())["pid"] == os.getpid()
 
 
 def test_failure_before_the_commit_leaves_the_store_as_it_was(tmp_path: Path, pt_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -349,7 +372,7 @@ def test_hard_crash_leaves_the_previous_checkpoint_and_garbage_the_next_write_cl
     # checkpoint.json: a temporary one (the second writer swept the first's leftovers)
     assert left[0] == ["00000000", "00000001"]
     # (a backend without rename, RAVEX_STORAGE=objdir, writes it under its final name: as unlisted, as swept)
-    staged = r"00000002" if os.environ.get("RAVEX_STORAGE") == "objdir" else r"00000002\.tmp-[0-9a-f]{12}"
+    staged = r"00000002" if OBJDIR else r"00000002\.tmp-[0-9a-f]{12}"
     assert left[1][0] == "00000000" and re.fullmatch(staged, left[1][1]) and len(left[1]) == 2, left
     assert sorted(os.listdir(store / "checkpoints" / left[1][1])) == ["rank00000.safetensors", "rank00001.safetensors"]
     assert native.resolve(store, -1)[0]["index"] == 0
@@ -424,7 +447,8 @@ def test_refuses_a_directory_that_is_not_a_store(tmp_path: Path, pt_files: dict[
     (tmp_path / "e" / "checkpoints").mkdir(parents=True)
     (tmp_path / "e" / "manifest.json.tmp-abc").write_text("{")
     assert native_write.write(src, tmp_path / "e", Options())["index"] == 0
-    assert sorted(os.listdir(tmp_path / "e")) == ["checkpoints", "lock", "manifest.json", "ravex-store.json"]
+    # (the lock file stays; a lease object, RAVEX_STORAGE=objdir, is deleted on release)
+    assert sorted(os.listdir(tmp_path / "e")) == ["checkpoints", *([] if OBJDIR else ["lock"]), "manifest.json", "ravex-store.json"]
     marker = json.loads((tmp_path / "e" / "ravex-store.json").read_text())
     assert marker["format"] == "ravex-store" and marker["format_version"] == 1 and re.fullmatch(r"[0-9a-f]{32}", marker["store_id"])
 

@@ -72,6 +72,9 @@ def test_bad_environment_values_name_the_variable(tmp_path: Path) -> None:
         load_config(tmp_path, environ={"RAVEX_CHECKPOINT_EVRY": "3"})
     with pytest.raises(ConfigError, match="not supported yet"):
         load_config(tmp_path, environ={"RAVEX_STORAGE_TYPE": "s3"})
+    # not a directory named "objdir:" in the working directory
+    with pytest.raises(ConfigError, match="RAVEX_STORAGE_PATH: storage.path is 'objdir:///b/store': the runtime does not write to object"):
+        load_config(tmp_path, environ={"RAVEX_STORAGE_PATH": "objdir:///b/store"})
 
 
 def test_enabled_flag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,11 +120,29 @@ def test_objdir_outputs_are_byte_identical_to_local_ones(tmp_path: Path, to: str
     assert inspect(remote).format == inspect(local).format
 
 
-def test_a_native_store_on_object_storage_is_refused_for_now(tmp_path: Path) -> None:
-    (tmp_path / "bucket").mkdir()
-    with pytest.raises(RavexError, match="cannot live on object storage yet"):
-        convert(DATA / "zero3_ws2_fp32" / "checkpoint", f"objdir://{tmp_path}/bucket/store", "native")
-    assert not list((tmp_path / "bucket").iterdir())
+def test_a_path_inside_a_bucket_in_use_is_a_key_of_that_bucket(bucket: ObjectDirStorage) -> None:
+    """What lets a native store's checkpoint directories be objects of the store's bucket
+    (tests/test_native_objdir.py has the store itself)."""
+    inner = f"objdir://{bucket.root}/store/checkpoints/00000000"
+    assert resolve(inner)[1] == "00000000"  # no lease or output open: the parent directory is the bucket
+    with bucket.lease("store/lock", "run a"):
+        storage, key = resolve(inner)
+        assert (storage.root, key) == (bucket.root, "store/checkpoints/00000000")  # type: ignore[attr-defined]
+    assert resolve(inner)[1] == "00000000"
+
+
+def test_a_prefix_goes_with_its_last_object_and_a_lease_with_its_holder(bucket: ObjectDirStorage) -> None:
+    bucket.put("s/c/0/a", b"a")
+    bucket.put("s/c/0/b", b"b")
+    bucket.delete("s/c/0/a")
+    assert (Path(bucket.root) / "s" / "c" / "0").is_dir()
+    bucket.delete("s/c/0/b")
+    assert os.listdir(bucket.root) == []  # no empty "directories" on an object store
+    with bucket.lease("lock", "run a"):
+        with pytest.raises(PreconditionFailed, match=r"pid \d+ on host .*, run run a, since"), bucket.lease("lock", "run b"):
+            pass
+        assert bucket.exists("lock")
+    assert not bucket.exists("lock")
 
 
 def test_local_is_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,9 +3,10 @@
 :func:`write` appends one checkpoint to a store, creating the store first when
 the directory is absent or empty, and :func:`prune` keeps the newest N. Both
 hold the store lock (section 2), clean up after a crashed writer and run the
-sweep (sections 4, 5). A checkpoint becomes visible only when the manifest is
-renamed into place (section 3, step 4); every failure before that removes what
-it wrote and leaves the manifest untouched.
+sweep (sections 4, 5), through :mod:`.native_store` on either storage backend.
+A checkpoint becomes visible only when the manifest lists it (section 3, step 4:
+its rename, or on object storage its conditional put); every failure before that
+removes what it wrote and leaves the manifest untouched.
 
 Layout: ``opts.world_size`` ranks, each tensor split on dim 0 as
 ``torch.chunk`` splits it, rank ``r`` writing ``rank<r>.safetensors`` (or
@@ -17,20 +18,14 @@ bytes) is not written again: its entry is copied and points at the old file.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import math
-import os
 import platform
 import re
-import shutil
-import socket
-import stat
 import struct
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,285 +36,38 @@ from .._dtypes import SAFETENSORS_CODES as ALL_SAFETENSORS_CODES
 from .._dtypes import V1_DTYPES
 from .._engine import flat_range
 from .._layout import SOURCE_KEY, StateLayout
-from .._output import Options, fsync_dir, fsync_fd, out_dtype
+from .._output import Options, out_dtype
 from .._tagged import encode
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NotFoundError, RavexError, UnsafeCheckpointError
+from ..errors import NotFoundError, RavexError
 from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, dim0_shards, itemsize, numel
 from ..plan import OutFile, WritePlan, run
-from ..storage import is_objdir
-from ..storage.local import holder_of
-from . import native
-from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
-from .native_check import check_manifest, metadata_checksum
+from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER
+from .native_check import metadata_checksum
+from .native_store import (
+    CHECKPOINTS,
+    Entry,
+    Where,
+    create,
+    locked,
+    open_store,
+    prepare,
+    refuse_links,
+    remove_checkpoint,
+    remove_store,
+    sweep,
+    where,
+)
+from .native_store import write_manifest as _write_manifest  # by this name: tests make it fail
 
 __all__ = ["SAFETENSORS_CODES", "prune", "write"]
 
 # the dtypes a store (format version 1) holds, with the codes its safetensors data files name them by
 SAFETENSORS_CODES = {name: code for name, code in ALL_SAFETENSORS_CODES.items() if name in V1_DTYPES}
 MAX_INDEX = 99_999_999
-CHECKPOINTS = "checkpoints"
-LOCK = "lock"
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NUMBERED = re.compile(r"(\d{8})")
-_ANY_INDEX = re.compile(r"(\d{8})(?:\.tmp-.*)?")
 _CHECKSUM = re.compile(r"xxh3-64:[0-9a-f]{16}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _IO_HINT = "check free space and permissions at the store"
-_LINK_HINT = ("a store's own files and directories are never links; replace the link by what it points to, or write to another "
-              "store. If others can write to this directory, check what else they changed")
-
-
-# ---------------------------------------------------------------- the lock
-
-
-@contextlib.contextmanager
-def _locked(store: Path, run_id: str) -> Iterator[None]:
-    """Hold ``<store>/lock`` (exclusive, non-blocking flock) for the block.
-    The lock is opened without following a symbolic link (O_NOFOLLOW) and must
-    be a regular file: its contents are truncated and rewritten."""
-    path = store / LOCK
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _unsafe(path) from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafeCheckpointError(f"{path}: is not a regular file, so it cannot be the store's lock",
-                                        hint=_LINK_HINT, path=path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise RavexError(
-                f"{store}: another process is writing to this store ({holder_of(fd)}); Ravex does not wait for it",
-                hint="only one process may write to a store at a time: wait for that run to finish or stop it, or write to another store",
-                path=store,
-            ) from None
-        note = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id, "since_unix": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(note).encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the lock; the file itself is never deleted
-
-
-# ---------------------------------------------------------------- small files
-
-
-def _write_json(path: Path, doc: dict[str, Any], tmp: Path, indent: int | None = None) -> bytes:
-    """``tmp`` written and fsynced, then renamed to ``path`` (the caller fsyncs
-    the directory); returns the bytes written. ``tmp`` is never opened through a
-    symbolic link, and the rename replaces ``path`` itself, never what a link there names."""
-    data = (json.dumps(doc, indent=indent, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _unsafe(tmp) from None
-        raise
-    with open(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        fsync_fd(f.fileno())
-    os.replace(tmp, path)
-    return data
-
-
-def _unsafe(path: Path) -> UnsafeCheckpointError:
-    try:
-        to = f" (to {os.readlink(path)})"
-    except OSError:
-        to = ""
-    return UnsafeCheckpointError(
-        f"{path}: is a symbolic link{to}; Ravex does not follow links inside a store, so that nothing outside it is written or deleted",
-        hint=_LINK_HINT, path=path)
-
-
-def _refuse_links(store: Path) -> None:
-    """A store whose own entries (lock, manifest, marker, checkpoints/ and the
-    checkpoint directories in it) are symbolic links is refused: writing,
-    cleaning up or sweeping through one would change files outside the store."""
-    for name in (LOCK, MANIFEST, STORE_MARKER, CHECKPOINTS):
-        if (store / name).is_symlink():
-            raise _unsafe(store / name)
-    root = store / CHECKPOINTS
-    if root.is_dir():
-        for p in root.iterdir():
-            if _ANY_INDEX.fullmatch(p.name) and p.is_symlink():
-                raise _unsafe(p)
-
-
-def _write_manifest(store: Path, manifest: dict[str, Any], run_id: str) -> None:
-    """Section 3, step 4: the rename is the commit point."""
-    _write_json(store / MANIFEST, manifest, store / f"{MANIFEST}.tmp-{run_id}", indent=1)
-    fsync_dir(store)
-
-
-def _empty_manifest(p: Path) -> bool:
-    """A manifest that lists nothing, as an interrupted creation writes it."""
-    try:
-        doc = json.loads(p.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(doc, dict) and doc.get("checkpoints") == [] and doc.get("next_index") == 0
-
-
-def _creation_leftover(p: Path) -> bool:
-    """What an interrupted creation (section 2) may have left: never a store, safe to finish."""
-    if p.is_symlink():
-        return False
-    if p.name == CHECKPOINTS:
-        return p.is_dir() and not any(p.iterdir())
-    if p.name == LOCK:
-        return p.is_file()
-    if p.name == MANIFEST:
-        return p.is_file() and _empty_manifest(p)
-    return p.name.startswith((f"{MANIFEST}.tmp-", f"{STORE_MARKER}.tmp-")) and p.is_file()
-
-
-def _prepare_dir(store: Path) -> None:
-    if store.exists() and not store.is_dir():
-        raise RavexError(f"{store}: exists and is not a directory, so it cannot be a Ravex store", hint="choose another destination", path=store)
-    if store.is_dir():
-        _refuse_links(store)
-    if store.is_dir() and not (store / STORE_MARKER).exists():
-        held = [n for n in (MANIFEST, CHECKPOINTS) if (store / n).exists() and not _creation_leftover(store / n)]
-        if held:
-            # A store that lost its marker is still a store: starting a fresh one here would discard its checkpoints.
-            raise IncompleteCheckpointError(
-                f"{store}: has {' and '.join(held)} but no {STORE_MARKER}: a Ravex store that lost its marker file "
-                "(or a damaged one); Ravex will not start a new store over its checkpoints",
-                hint=f"restore {STORE_MARKER} from a copy of the store (then the store can be written again), or write to another directory",
-                path=store,
-            )
-        other = sorted(p.name for p in store.iterdir() if not _creation_leftover(p))
-        if other:
-            shown = ", ".join(other[:5]) + (", ..." if len(other) > 5 else "")
-            raise RavexError(
-                f"{store}: exists and is not a Ravex store (no {STORE_MARKER}; it holds {shown})",
-                hint="write to a new or empty directory, or to an existing store (a directory with ravex-store.json)",
-                path=store,
-            )
-    store.mkdir(parents=True, exist_ok=True)
-    (store / CHECKPOINTS).mkdir(exist_ok=True)
-    _refuse_links(store)
-
-
-def _create(store: Path, run_id: str) -> None:
-    """Section 2: the manifest first, the marker last, so a half-made store never looks like one."""
-    for leftover in store.glob("*.tmp-*"):
-        leftover.unlink()
-    manifest = {"format": "ravex-store", "format_version": FORMAT_VERSION, "next_index": 0, "checkpoints": []}
-    _write_json(store / MANIFEST, manifest, store / f"{MANIFEST}.tmp-{run_id}", indent=1)
-    marker = {"format": "ravex-store", "format_version": FORMAT_VERSION, "created_unix": time.time(), "store_id": uuid.uuid4().hex}
-    _write_json(store / STORE_MARKER, marker, store / f"{STORE_MARKER}.tmp-{run_id}", indent=1)
-    fsync_dir(store)
-
-
-# ---------------------------------------------------------------- the manifest and its entries
-
-
-@dataclass
-class _Entry:
-    entry: dict[str, Any]
-    doc: dict[str, Any] | None = None
-    refs: frozenset[str] = frozenset()
-    problem: str | None = None  # why it is not loadable (section 6)
-
-    @property
-    def index(self) -> int:
-        return int(self.entry["index"])
-
-
-def _entries(store: Path, manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    return check_manifest(manifest, store / MANIFEST)
-
-
-def _load_entry(store: Path, manifest: dict[str, Any], entry: dict[str, Any]) -> _Entry:
-    """An entry and its checkpoint.json, checked as a reader checks it (its
-    metadata checksum, section 17, chunk files inside the store and present);
-    ``problem`` says why it is not loadable. A checkpoint.json of a newer
-    format version raises: its references are unknown."""
-    out = _Entry(entry)
-    if entry.get("status") != "complete":
-        out.problem = f"its status is {entry.get('status')!r}"
-        return out
-    try:
-        opened = native._open_entry(store, manifest, entry, "store")
-    except (CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError) as exc:
-        out.problem = exc.message
-        return out
-    out.doc = opened.doc
-    out.refs = frozenset({f"{entry['dir']}/{CHECKPOINT}", *opened.checked.files})
-    return out
-
-
-def _highest_dir_index(store: Path) -> int:
-    found = [int(m.group(1)) for p in (store / CHECKPOINTS).iterdir() if (m := _ANY_INDEX.fullmatch(p.name))]
-    return max(found, default=-1)
-
-
-def _remove(p: Path) -> None:
-    """Delete ``p``: a directory with all it holds, anything else (a symbolic link
-    included) as an entry. Never through a link: ``rmtree`` does not follow them."""
-    if stat.S_ISDIR(os.lstat(p).st_mode):
-        shutil.rmtree(p)
-    else:
-        p.unlink()
-
-
-def _cleanup(store: Path) -> None:
-    """Section 4: under the lock, whatever a crashed writer left is garbage."""
-    for p in (store / CHECKPOINTS).glob("*.tmp-*"):
-        _remove(p)
-    for p in store.glob(f"{MANIFEST}.tmp-*"):
-        _remove(p)
-
-
-def _sweep(store: Path, entries: list[_Entry]) -> list[str]:
-    """Section 5: delete unlisted numbered directories, keeping files a listed
-    checkpoint references. Returns warnings."""
-    broken = [e for e in entries if e.problem is not None]
-    if broken:
-        return [f"{store}: checkpoint {e.index} is not loadable ({e.problem}); the sweep deleted nothing" for e in broken]
-    warnings: list[str] = []
-    refs = frozenset().union(*(e.refs for e in entries))
-    listed = {str(e.entry["dir"]).rsplit("/", 1)[-1] for e in entries}
-    root = store / CHECKPOINTS
-    for d in sorted(root.iterdir()):
-        if not _NUMBERED.fullmatch(d.name) or not d.is_dir() or d.is_symlink():
-            warnings.append(f"{d}: not part of the store (ignored)")
-            continue
-        if d.name in listed:
-            continue
-        kept = {p.name for p in d.iterdir() if f"{CHECKPOINTS}/{d.name}/{p.name}" in refs}
-        if not kept:
-            shutil.rmtree(d)
-            continue
-        # Retained for data: checkpoint.json goes first, so a half-swept directory never looks like a checkpoint.
-        with contextlib.suppress(FileNotFoundError):
-            _remove(d / CHECKPOINT)
-        for p in d.iterdir():
-            if p.name not in kept:
-                _remove(p)
-        fsync_dir(d)
-    fsync_dir(root)
-    return warnings
-
-
-def _open(store: Path, run_id: str) -> tuple[dict[str, Any], list[_Entry], int, list[str]]:
-    """Under the lock: the manifest, its entries, the highest index any directory
-    name holds, and the sweep's warnings (after the crash cleanup)."""
-    _refuse_links(store)
-    manifest = read_manifest(store)
-    raw = _entries(store, manifest)
-    highest = _highest_dir_index(store)
-    _cleanup(store)
-    entries = [_load_entry(store, manifest, e) for e in raw]
-    return manifest, entries, highest, _sweep(store, entries)
 
 
 # ---------------------------------------------------------------- planning a checkpoint
@@ -487,7 +235,7 @@ def _reusable(store: Path, o: _Out, prev: dict[str, Any], compression: str | Non
     return None
 
 
-def _reuse(store: Path, outs: list[_Out], prev: _Entry | None, compression: str | None) -> None:
+def _reuse(store: Path, outs: list[_Out], prev: Entry | None, compression: str | None) -> None:
     """Point unchanged chunks at the previous checkpoint's bytes (section 5, reuse by content)."""
     if prev is None or prev.doc is None or not isinstance(prev.doc.get("tensors"), dict):
         return
@@ -593,7 +341,7 @@ def _listed(store: Path, index: int) -> bool:
         return False
 
 
-def write(ckpt: Checkpoint, store: Path, opts: Options, *, run_id: str | None = None,
+def write(ckpt: Checkpoint, store: Path | str, opts: Options, *, run_id: str | None = None,
           progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Append ``ckpt`` to the store at ``store`` as a new checkpoint (creating the
     store in an absent or empty directory) and commit it.
@@ -608,11 +356,7 @@ def write(ckpt: Checkpoint, store: Path, opts: Options, *, run_id: str | None = 
     pointing at earlier checkpoints), ``files``, ``run_id`` and ``warnings``.
     Raises :class:`RavexError` subclasses; a failure leaves the store as it was.
     """
-    if is_objdir(store):
-        raise RavexError(f"{store}: a Ravex store cannot live on object storage yet: its lock, manifest and sweep still use flock "
-                         "and rename (its checkpoint data already goes through the storage layer)",
-                         hint="write the store to a local or shared filesystem; convert it to dcp or safetensors for a bucket")
-    store = Path(store)
+    w = where(store)
     group = ambient()
     if run_id is None:
         run_id = group.broadcast(uuid.uuid4().hex[:12] if group.rank == 0 else None)
@@ -630,16 +374,17 @@ def write(ckpt: Checkpoint, store: Path, opts: Options, *, run_id: str | None = 
         decided: Any = None
         refused: BaseException | None = None
         if group.rank == 0:
-            fresh = not store.exists()
+            fresh = not w.exists()
             try:
-                decided = _begin(store, run_id, outs, opts, held)
+                decided = _begin(w, run_id, outs, opts, held)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
-                if fresh and not _listed_any(store):
-                    shutil.rmtree(store, ignore_errors=True)
-                refused = RavexError(f"{store}: writing the store failed: {exc}", hint=_IO_HINT, path=store) if isinstance(exc, OSError) else exc
+                if fresh and not _listed_any(w.path):
+                    remove_store(w)
+                refused = RavexError(f"{w.name}: writing the store failed: {exc}", hint=_IO_HINT, path=w.path) \
+                    if isinstance(exc, OSError) else exc
                 if group.size == 1:
                     raise refused from (exc if refused is not exc else None)
-                decided = (refused.message, refused.hint) if isinstance(refused, RavexError) else (f"{store}: {refused}", _IO_HINT)
+                decided = (refused.message, refused.hint) if isinstance(refused, RavexError) else (f"{w.name}: {refused}", _IO_HINT)
         decided = group.broadcast(decided)
         if refused is not None:
             raise refused  # rank 0 in its own words; the others below
@@ -649,40 +394,39 @@ def write(ckpt: Checkpoint, store: Path, opts: Options, *, run_id: str | None = 
         for o, e in zip(outs, reused_entries, strict=True):
             o.entry = e
         try:
-            return _commit(ckpt, store, opts, run_id, outs, objects, source, progress, index, manifest, warnings)
+            return _commit(ckpt, w, opts, run_id, outs, objects, source, progress, index, (manifest, decided["generation"]), warnings)
         except BaseException:
-            if group.rank == 0 and fresh and not _listed_any(store):
+            if group.rank == 0 and fresh and not _listed_any(w.path):
                 # A store made by this call for a checkpoint that failed: leave nothing behind.
-                shutil.rmtree(store, ignore_errors=True)
+                remove_store(w)
             raise
 
 
-def _begin(store: Path, run_id: str, outs: list[_Out], opts: Options, held: contextlib.ExitStack) -> dict[str, Any]:
+def _begin(w: Where, run_id: str, outs: list[_Out], opts: Options, held: contextlib.ExitStack) -> dict[str, Any]:
     """The coordinator's part before any data: the store made or checked, the lock
     taken (held until ``held`` closes), the crash cleanup and sweep, the new index,
     and the chunks reused from the newest loadable checkpoint."""
-    fresh = not store.exists()
-    _prepare_dir(store)
-    if fresh:
-        fsync_dir(store.parent)
-    held.enter_context(_locked(store, run_id))
-    if not (store / STORE_MARKER).is_file():
-        _create(store, run_id)
-    manifest, entries, highest, warnings = _open(store, run_id)
+    prepare(w)
+    held.enter_context(locked(w, run_id))
+    if not (w.path / STORE_MARKER).is_file():
+        create(w, run_id)
+    manifest, generation, entries, highest, warnings = open_store(w)
     index = max(int(manifest["next_index"]), highest + 1)
     if index > MAX_INDEX:
-        raise RavexError(f"{store}: the store has used every checkpoint index (up to {MAX_INDEX})", hint="start a new store", path=store)
+        raise RavexError(f"{w.name}: the store has used every checkpoint index (up to {MAX_INDEX})", hint="start a new store", path=w.path)
     loadable = [e for e in entries if e.problem is None]
-    _reuse(store, outs, loadable[-1] if loadable else None, opts.compression)
-    return {"index": index, "entries": [o.entry for o in outs], "warnings": warnings, "manifest": manifest}
+    _reuse(w.path, outs, loadable[-1] if loadable else None, opts.compression)
+    return {"index": index, "entries": [o.entry for o in outs], "warnings": warnings, "manifest": manifest, "generation": generation}
 
 
-def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: list[_Out], objects: dict[str, Any],
-            source: dict[str, Any], progress: Callable[[int], None] | None, index: int, manifest: dict[str, Any],
+def _commit(ckpt: Checkpoint, w: Where, opts: Options, run_id: str, outs: list[_Out], objects: dict[str, Any],
+            source: dict[str, Any], progress: Callable[[int], None] | None, index: int, read: tuple[dict[str, Any], int],
             warnings: list[str]) -> dict[str, Any]:
-    """Section 3: the data files by every rank, checkpoint.json, the directory renamed, then the manifest."""
+    """Section 3: the data files by every rank, checkpoint.json, the directory renamed (object
+    storage: built in place under its final name), then the manifest, conditional on the
+    generation ``read`` with it."""
+    manifest, generation = read
     rel_dir = f"{CHECKPOINTS}/{index:08d}"
-    final = store / rel_dir
     reused = [o for o in outs if o.entry is not None]
     files = _data_files(outs, opts.compression, opts.keep_chunks)
     names = [f.rel for f in files]
@@ -718,49 +462,57 @@ def _commit(ckpt: Checkpoint, store: Path, opts: Options, run_id: str, outs: lis
         return [(CHECKPOINT, meta)]
 
     def after(sealed: dict[str, Any]) -> None:
-        """Section 3, step 4: the manifest lists the new checkpoint (its rename is the commit point)."""
+        """Section 3, step 4: the manifest lists the new checkpoint (its rename, or on object
+        storage its conditional put, is the commit point)."""
         entry = {"index": index, "dir": rel_dir, "step": step, "status": "complete", "created_unix": now, "run_id": run_id,
                  "world_size": opts.world_size, "bytes": logical, "tensors": len(tensors), "metadata_checksum": metadata_checksum(meta)}
         try:
-            _write_manifest(store, {**manifest, "next_index": index + 1, "checkpoints": [*manifest["checkpoints"], entry]}, run_id)
+            _write_manifest(w, {**manifest, "next_index": index + 1, "checkpoints": [*manifest["checkpoints"], entry]}, run_id, generation)
         except BaseException:
-            if not _listed(store, index):
-                shutil.rmtree(final, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    (store / f"{MANIFEST}.tmp-{run_id}").unlink()
+            if not _listed(w.path, index):
+                remove_checkpoint(w, rel_dir)
+                if w.posix:
+                    with contextlib.suppress(OSError):
+                        (w.path / f"{MANIFEST}.tmp-{run_id}").unlink()
+            elif not w.posix:
+                # The put landed and then something failed: the checkpoint is committed. Raising
+                # would make plan.run abort the output, which on a backend without rename means
+                # deleting the objects of a listed checkpoint.
+                return
             raise
 
     plan = WritePlan(True, files, commit, threads=opts.threads, staging=f"{index:08d}.tmp-{run_id}", after=after)
-    done = run(plan, final, force=False, progress=progress)
+    done = run(plan, w.dst(rel_dir), force=False, progress=progress)
     bytes_written = sum(r[3] for r in done["sealed"].values())
     return {
-        "index": index, "dir": str(final), "step": step, "tensors": len(tensors), "aliases": len(ckpt.aliases), "bytes": logical,
+        "index": index, "dir": w.shown(rel_dir), "step": step, "tensors": len(tensors), "aliases": len(ckpt.aliases), "bytes": logical,
         "bytes_written": bytes_written, "bytes_reused": sum(o.nbytes for o in reused), "chunks_written": len(outs) - len(reused),
         "chunks_reused": len(reused), "files": [f"{rel_dir}/{n}" for n in names], "run_id": run_id, "warnings": warnings,
     }
 
 
-def prune(store: Path, keep_last: int, *, pinned: set[int] | frozenset[int] = frozenset()) -> list[int]:
+def prune(store: Path | str, keep_last: int, *, pinned: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """Keep the ``keep_last`` newest loadable checkpoints, every pinned one and
     every one that is not loadable; drop the rest from the manifest, then sweep
     their files (section 5). Returns the indices dropped, in order."""
-    store = Path(store)
+    w = where(store)
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
         raise RavexError(f"keep_last {keep_last!r}: keep at least one checkpoint", hint="use keep_last >= 1")
-    if not (store / STORE_MARKER).is_file():
-        raise NotFoundError(f"{store}: not a Ravex store (no {STORE_MARKER})", hint="point at the store directory", path=store)
-    _refuse_links(store)
+    if not (w.path / STORE_MARKER).is_file():
+        raise NotFoundError(f"{w.name}: not a Ravex store (no {STORE_MARKER})", hint="point at the store directory", path=w.path)
+    if w.posix or w.path.is_dir():
+        refuse_links(w.path)
     run_id = uuid.uuid4().hex[:12]
     try:
-        with _locked(store, run_id):
-            manifest, entries, _, _ = _open(store, run_id)
+        with locked(w, run_id):
+            manifest, generation, entries, _, _ = open_store(w)
             loadable = [e.index for e in entries if e.problem is None]
             keep = set(loadable[-keep_last:]) | set(pinned) | {e.index for e in entries if e.problem is not None}
             dropped = [e.index for e in entries if e.index not in keep]
             if dropped:
                 kept = [e for e in entries if e.index in keep]
-                _write_manifest(store, {**manifest, "checkpoints": [e.entry for e in kept]}, run_id)
-                _sweep(store, kept)
+                _write_manifest(w, {**manifest, "checkpoints": [e.entry for e in kept]}, run_id, generation)
+                sweep(w, kept)
             return dropped
     except OSError as exc:
-        raise RavexError(f"{store}: pruning the store failed: {exc}", hint=_IO_HINT, path=store) from exc
+        raise RavexError(f"{w.name}: pruning the store failed: {exc}", hint=_IO_HINT, path=w.path) from exc

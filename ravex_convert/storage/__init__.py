@@ -3,7 +3,8 @@
 ``resolve(dst)`` picks the backend from the destination's spelling: a plain
 path is the local filesystem (:mod:`.local`); ``objdir:PATH`` (or the URL form
 ``objdir:///abs/path``) is the test backend with object-store semantics
-(:mod:`.objdir`), whose bucket is PATH's parent directory. With ``RAVEX_STORAGE=objdir`` in the environment every plain
+(:mod:`.objdir`), whose bucket is PATH's parent directory (or, while a lease
+or an output is open in a bucket that holds PATH, that bucket). With ``RAVEX_STORAGE=objdir`` in the environment every plain
 path goes through the objdir backend too: the test suite runs the writers'
 tests that way, so that no writer can quietly depend on rename, in-place
 updates or flock. See :mod:`.base` for the surface.
@@ -30,11 +31,18 @@ def resolve(dst: str | Path) -> tuple[Storage, str]:
         if os.environ.get("RAVEX_STORAGE", "local") != "objdir":
             return LocalStorage(), text
         text = _OBJDIR + text
-    from .objdir import ObjectDirStorage
+    from .objdir import ObjectDirStorage, in_use
 
     rest = text[len(_OBJDIR):]
     path = os.path.abspath(rest.removeprefix("//"))  # pathlib folds "objdir://x" to "objdir:/x"
     root, key = os.path.dirname(path), os.path.basename(path)
+    # A path inside a bucket in use (a lease held or an output open there) is a key of that
+    # bucket, the outermost one: the checkpoint directories of a native store being written
+    # are objects of the store's bucket, not buckets of their own.
+    for outer in sorted(in_use(), key=len):
+        if path.startswith(outer.rstrip(os.sep) + os.sep):
+            root, key = outer, os.path.relpath(path, outer).replace(os.sep, "/")
+            break
     if root not in _buckets:
         _buckets[root] = ObjectDirStorage(root)
     return _buckets[root], key

@@ -16,17 +16,21 @@ intersection of a local filesystem and an object store:
   If-None-Match), the only way anything is ever replaced.
 - ``delete``, ``list``, ``exists``, ``local_path``.
 - ``lease``: the one-writer rule (POSIX: flock; object stores: a lease object
-  created with a conditional put).
+  created with a conditional put, deleted on release).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["ABSENT", "Output", "PreconditionFailed", "Sink", "Storage"]
+__all__ = ["ABSENT", "Output", "PreconditionFailed", "Sink", "Storage", "holder_text", "lease_note"]
 
 # `put(..., if_generation=ABSENT)`: only if no object has this key
 ABSENT = -1
@@ -105,10 +109,13 @@ class Storage(Protocol):
 
     def read_range(self, key: str, offset: int, length: int) -> bytes: ...
 
-    def put(self, key: str, data: bytes, *, if_generation: int | None = None) -> int:
+    def put(self, key: str, data: bytes, *, if_generation: int | None = None, staging: str | None = None) -> int:
         """Replace (or create) ``key`` atomically; with ``if_generation`` only when the
         object is at that generation (:data:`ABSENT`: does not exist), else
-        :class:`PreconditionFailed`. Returns the new generation."""
+        :class:`PreconditionFailed`. Returns the new generation. ``staging``: the name
+        (beside ``key``) a backend with rename writes the bytes under first, where a
+        format fixes one (the native manifest's ``manifest.json.tmp-<run_id>``); a
+        backend without rename has no such name and ignores it."""
 
     def delete(self, key: str) -> None: ...
 
@@ -117,5 +124,20 @@ class Storage(Protocol):
 
     def lease(self, key: str, holder: str) -> contextlib.AbstractContextManager[None]:
         """Hold ``key`` as this writer's for the block, or raise :class:`PreconditionFailed`
-        naming the holder."""
+        naming the holder (:func:`holder_text` of its note)."""
+
+
+def lease_note(holder: str) -> bytes:
+    """What a lease records of its holder, for the message another writer gets."""
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run_id": holder, "since_unix": time.time()}).encode()
+
+
+def holder_text(raw: bytes) -> str:
+    """A lease's holder, from the note it wrote (:func:`lease_note`), in words."""
+    try:
+        note = json.loads(raw.decode())
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(note["since_unix"])))
+        return f"pid {note['pid']} on host {note['host']}, run {note['run_id']}, since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown: the lock file names no process yet"
 

@@ -12,18 +12,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import shutil
-import socket
 import stat
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from .._output import fsync_dir, fsync_fd
 from ..errors import RavexError
-from .base import ABSENT, PreconditionFailed, Stat
+from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note
 
 __all__ = ["LocalStorage", "holder_of", "remove_tree"]
 
@@ -174,15 +171,16 @@ class LocalStorage:
         with open(key, "rb") as f:
             return os.pread(f.fileno(), length, offset)
 
-    def put(self, key: str, data: bytes, *, if_generation: int | None = None) -> int:
-        """Write, fsync, rename over ``key``. The generation check is only as strong as
-        the caller's lease: on POSIX the store lock is what makes it exclusive."""
+    def put(self, key: str, data: bytes, *, if_generation: int | None = None, staging: str | None = None) -> int:
+        """Write (to ``staging`` beside ``key``, else a name of this process), fsync, rename
+        over ``key``, fsync its directory. The generation check is only as strong as the
+        caller's lease: on POSIX the store lock is what makes it exclusive."""
         path = Path(key)
         if if_generation is not None:
             now = self.stat(key)
             if (now is None) != (if_generation == ABSENT) or (now is not None and now.generation != if_generation):
                 raise PreconditionFailed(f"{key}: changed since it was read")
-        part = path.parent / f"{path.name}.tmp-{os.getpid()}"
+        part = path.parent / (staging or f"{path.name}.tmp-{os.getpid()}")
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         with open(fd, "wb") as f:
             f.write(data)
@@ -213,9 +211,8 @@ class LocalStorage:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
                 raise PreconditionFailed(holder_of(fd)) from None
-            note = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": holder, "since_unix": time.time()}
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(note).encode(), 0)
+            os.pwrite(fd, lease_note(holder), 0)
             yield
         finally:
             os.close(fd)
@@ -224,8 +221,7 @@ class LocalStorage:
 def holder_of(fd: int) -> str:
     """Who holds a lock file, from the note its holder wrote into it (the native store's lock too)."""
     try:
-        note = json.loads(os.pread(fd, 4096, 0).decode())
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(note["since_unix"])))
-        return f"pid {note['pid']} on host {note['host']}, run {note['run_id']}, since {since}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "holder unknown: the lock file names no process yet"
+        raw = os.pread(fd, 4096, 0)
+    except OSError:
+        raw = b""
+    return holder_text(raw)

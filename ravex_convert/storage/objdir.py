@@ -9,7 +9,7 @@ what S3, GCS and Azure Blob offer:
   store, uploaded in one put: positional writes only while the sink is open,
   as a multipart upload takes parts in any order), and never changes after;
 - replacing an object is a whole, conditional put (generation match);
-- a lease is an object created only if absent.
+- a lease is an object created only if absent (and deleted on release).
 
 The backing directory holds exactly the objects (``BUCKET/KEY``), so readers map
 them read-only as they map local files: the equivalent of ranged GETs.
@@ -26,18 +26,18 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from .._output import fsync_fd
 from ..errors import RavexError
-from .base import ABSENT, PreconditionFailed, Stat
+from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note
 
-__all__ = ["ObjectDirStorage", "SemanticsViolation"]
+__all__ = ["ObjectDirStorage", "SemanticsViolation", "in_use"]
 
 SCHEME = "objdir://"
 _UPLOADS = ".objdir-part-"  # in the name of a put being assembled, before it appears
@@ -48,7 +48,10 @@ class SemanticsViolation(RuntimeError):
 
 
 _inside = threading.local()  # set while the backend itself touches its bucket
-_buckets: dict[str, int] = {}  # bucket root -> outputs open in it (the audit hook watches those buckets)
+# backing file -> (inode, mtime_ns) as the backend put it; shared by every instance, so that a
+# bucket opened twice (or one inside another) audits the same objects the same way
+_gens: dict[str, tuple[int, int]] = {}
+_buckets: dict[str, int] = {}  # bucket root -> outputs and leases open in it (the audit hook watches those buckets)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -80,6 +83,43 @@ def _audit(event: str, args: tuple[object, ...]) -> None:
 
 
 _hooked = False
+
+
+def in_use() -> list[str]:
+    """The buckets (roots) where an output or a lease is open now."""
+    return list(_buckets)
+
+
+def _watch(root: str) -> None:
+    """The audit hook refuses POSIX changes inside ``root`` until the matching :func:`_unwatch`."""
+    _buckets[root] = _buckets.get(root, 0) + 1
+
+
+def _unwatch(root: str) -> None:
+    n = _buckets.get(root, 1) - 1
+    if n:
+        _buckets[root] = n
+    else:
+        _buckets.pop(root, None)
+
+
+def _gone(raw: bytes) -> bool:
+    """Whether a lease's holder has certainly exited: a process of this machine that no
+    longer runs (what the kernel's release of an flock gives a local store)."""
+    try:
+        note = json.loads(raw.decode())
+        pid, host = note["pid"], note["host"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 @contextlib.contextmanager
@@ -146,17 +186,13 @@ class _Output:
         self.spool.mkdir(exist_ok=True)
 
     def _watch(self) -> None:
-        _buckets[self.store.root] = _buckets.get(self.store.root, 0) + 1
+        _watch(self.store.root)
         self._watching = True
 
     def _unwatch(self) -> None:
         if getattr(self, "_watching", False):
             self._watching = False
-            n = _buckets.get(self.store.root, 1) - 1
-            if n:
-                _buckets[self.store.root] = n
-            else:
-                _buckets.pop(self.store.root, None)
+            _unwatch(self.store.root)
 
     def _key(self, rel: str) -> str:
         return f"{self.key}/{rel}" if rel else self.key
@@ -207,7 +243,6 @@ class ObjectDirStorage:
     def __init__(self, root: str | Path):
         global _hooked
         self.root = os.path.abspath(root)
-        self._gen: dict[str, tuple[int, int]] = {}  # key -> (inode, mtime_ns) as this process put it
         self._lock = threading.Lock()
         if not _hooked:
             sys.addaudithook(_audit)
@@ -243,7 +278,9 @@ class ObjectDirStorage:
 
     @staticmethod
     def _generation(key: str, st: os.stat_result) -> int:
-        return st.st_mtime_ns  # each put makes a new file: a new (nanosecond) mtime
+        # Each put makes a new file: a new inode beside the one it replaces, and a new mtime
+        # (both, since a filesystem's clock may tick coarser than the puts come).
+        return (st.st_ino << 64) | st.st_mtime_ns
 
     def get(self, key: str) -> tuple[bytes, int]:
         with open(self._file(key), "rb") as f:
@@ -265,8 +302,8 @@ class ObjectDirStorage:
                 fsync_fd(f.fileno())
             os.replace(part, path)
             st = path.stat()
-            self._gen[key] = (st.st_ino, st.st_mtime_ns)
-        return st.st_mtime_ns
+            _gens[str(path)] = (st.st_ino, st.st_mtime_ns)
+        return self._generation(key, st)
 
     def _upload(self, key: str, spool: Path) -> None:
         with self._lock:
@@ -279,7 +316,8 @@ class ObjectDirStorage:
 
             self._place(key, copy)
 
-    def put(self, key: str, data: bytes, *, if_generation: int | None = None) -> int:
+    def put(self, key: str, data: bytes, *, if_generation: int | None = None, staging: str | None = None) -> int:
+        """A whole object, conditionally (``staging`` means nothing here: no rename)."""
         with self._lock:
             if if_generation is not None:
                 now = self.stat(key)
@@ -288,31 +326,64 @@ class ObjectDirStorage:
             return self._place(key, lambda f: f.write(data))
 
     def delete(self, key: str) -> None:
-        with _backend():
-            self._file(key).unlink()
-            self._gen.pop(key, None)
+        """The object goes; so does the backing directory of every prefix left with no
+        object (a "directory" of an object store exists only while it holds objects)."""
+        path = self._file(key)
+        root = Path(self.root)
+        with _backend(), self._lock:
+            path.unlink()
+            _gens.pop(str(path), None)
+            parent = path.parent
+            while parent != root and root in parent.parents:
+                try:
+                    parent.rmdir()
+                except OSError:  # not empty (or not ours to remove): a prefix still in use
+                    break
+                parent = parent.parent
 
     def local_path(self, key: str) -> Path:
         return self._file(key)
 
     @contextlib.contextmanager
     def lease(self, key: str, holder: str) -> Iterator[None]:
-        note = json.dumps({"holder": holder, "pid": os.getpid(), "since_unix": time.time()}).encode()
-        try:
-            self.put(key, note, if_generation=ABSENT)
-        except PreconditionFailed:
-            raise PreconditionFailed(self.get(key)[0].decode(errors="replace")) from None
+        """A lease object at ``key``, put only if absent and deleted on release. One left by a
+        process of this machine that no longer runs is taken over by a put conditional on its
+        generation (only one taker wins); any other is the holder's, named in the
+        :class:`PreconditionFailed`. While it is held, the audit hook watches the bucket: what
+        the holder does there goes through the backend."""
+        gen = self._take(key, lease_note(holder))
+        _watch(self.root)
         try:
             yield
         finally:
-            self.delete(key)
+            _unwatch(self.root)
+            now = self.stat(key)
+            if now is not None and now.generation == gen:  # still ours
+                with contextlib.suppress(FileNotFoundError):
+                    self.delete(key)
+
+    def _take(self, key: str, note: bytes) -> int:
+        try:
+            return self.put(key, note, if_generation=ABSENT)
+        except PreconditionFailed:
+            pass
+        try:
+            raw, gen = self.get(key)
+        except FileNotFoundError:  # released in between
+            return self.put(key, note, if_generation=ABSENT)
+        if not _gone(raw):
+            raise PreconditionFailed(holder_text(raw))
+        try:
+            return self.put(key, note, if_generation=gen)
+        except PreconditionFailed:  # another writer took it over first
+            raise PreconditionFailed(holder_text(self.get(key)[0])) from None
 
     def audit(self) -> builtins.list[str]:
         """Objects in the bucket that the backend did not put, or that changed since."""
         bad = []
         for key in self.list(""):
             st = self._file(key).stat()
-            g = self._gen.get(key)
+            g = _gens.get(str(self._file(key)))
             if g is None or g != (st.st_ino, st.st_mtime_ns):
                 bad.append(key)
         return bad
