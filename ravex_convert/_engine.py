@@ -111,6 +111,11 @@ class SourceTable:
     def files(self) -> int:
         return len(self._paths)
 
+    @property
+    def paths(self) -> list[str]:
+        """The source files, each once."""
+        return list(self._paths)
+
     def decode(self, indices: list[int]) -> None:
         """Decode the zstd chunks among the sources ``indices`` not decoded yet."""
         for i in indices:

@@ -382,25 +382,38 @@ def reshard(src: str | Path, dst: str | Path, world_size: int, **kwargs: Any) ->
     return convert(src, dst, fmt, world_size=world_size, **kwargs)
 
 
+# A dry run hands the core this many source chunks per call at most: its memory stays
+# bounded (pyo3's copy of the chunks, decoded zstd chunks) whatever the checkpoint's size.
+PLAN_BATCH_CHUNKS = 1 << 15
+
+
 def plan(ckpt: Checkpoint, opts: Options) -> dict[str, Any]:
-    """What a conversion would do: tensors, bytes in and out, copy runs."""
-    table = SourceTable()
-    tensors: list[Any] = []
+    """What a conversion would do: tensors, bytes in and out, copy runs (the core's
+    planner and validation over every tensor, in batches of about
+    :data:`PLAN_BATCH_CHUNKS` source chunks, each into one pretend target)."""
+    totals = {"bytes_read": 0, "bytes_written": 0, "runs": 0}
+    files: set[str] = set()
     offset = 0
-    for t in ckpt.tensors.values():
-        src = [table.chunk(c) for c in t.chunks]
-        dt = out_dtype(t, opts)
-        tensors.append((list(t.shape), src, [(0, offset, t.whole().to_core(), dt)]))
-        offset += t.numel * itemsize(dt)
-    summary = dict(_core.plan_summary(table.sources, ["<plan>"], tensors))
-    return {
-        "tensors": len(ckpt.tensors),
-        "aliases": len(ckpt.aliases),
-        "source_files": table.files,
-        "bytes_read": summary["bytes_read"],
-        "bytes_written": summary["bytes_written"],
-        "runs": summary["runs"],
-    }
+    tensors = list(ckpt.tensors.values())
+    at = 0
+    while at < len(tensors):
+        table = SourceTable()
+        batch: list[Any] = []
+        chunks = 0
+        while at < len(tensors) and (not batch or chunks + len(tensors[at].chunks) <= PLAN_BATCH_CHUNKS):
+            t = tensors[at]
+            dt = out_dtype(t, opts)
+            batch.append((list(t.shape), [table.chunk(c) for c in t.chunks], [(0, offset, t.whole().to_core(), dt)]))
+            offset += t.numel * itemsize(dt)
+            chunks += len(t.chunks)
+            at += 1
+        summary = _core.plan_summary(table.sources, ["<plan>"], batch)
+        for k in totals:
+            n = summary[k]
+            assert isinstance(n, int)
+            totals[k] += n
+        files.update(table.paths)
+    return {"tensors": len(ckpt.tensors), "aliases": len(ckpt.aliases), "source_files": len(files), **totals}
 
 
 def materialize(t: LogicalTensor) -> bytes:

@@ -7,6 +7,7 @@ rank file's records being built only when that file is written."""
 
 from __future__ import annotations
 
+import importlib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,15 @@ def test_a_layout_the_core_cannot_hold_is_one_clear_error() -> None:
         DcpLayout([("w", (1.5,), 0, "float32", [1], (1, 1, 1))], 2)
     with pytest.raises(ValueError, match="world size 0"):
         DcpLayout([], 0)
+
+
+@pytest.mark.parametrize("name", ["zero3_ws3_bf16", "fsdp2_ws2", "zero2_ws2_fp32"])
+def test_a_dry_run_in_batches_is_the_dry_run_in_one_call(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # convert --dry-run hands the core a bounded number of source chunks per call; the answer is the same
+    conv = importlib.import_module("ravex_convert.convert")  # the package's `convert` is the function
+
+    ckpt = read_checkpoint(DATA / name / "checkpoint")
+    whole = conv.plan(ckpt, Options())
+    monkeypatch.setattr(conv, "PLAN_BATCH_CHUNKS", 3)
+    assert conv.plan(ckpt, Options()) == whole
+    assert whole["runs"] > 0 and whole["source_files"] > 0
