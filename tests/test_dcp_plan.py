@@ -203,3 +203,31 @@ def test_a_dry_run_in_batches_is_the_dry_run_in_one_call(name: str, monkeypatch:
     monkeypatch.setattr(conv, "PLAN_BATCH_CHUNKS", 3)
     assert conv.plan(ckpt, Options()) == whole
     assert whole["runs"] > 0 and whole["source_files"] > 0
+
+
+def test_a_job_for_part_of_a_tensor_lists_only_the_chunks_that_reach_it(tmp_path: Path) -> None:
+    # a rank writing rows 4..8 of a 12 x 3 tensor stored in three flat chunks of 12 elements
+    # (rows 0-3, 4-7, 8-11) hands the core only the middle chunk, and writes the right bytes
+    import numpy as np
+
+    from ravex_convert._engine import CopyJob, Target
+
+    values = np.arange(36, dtype=np.float32)
+    src = tmp_path / "src.bin"
+    src.write_bytes(values.tobytes())
+    t = LogicalTensor(MODEL + "w", (12, 3), "float32", [Chunk(Flat(12 * k, 12), "float32", src, 48 * k) for k in range(3)])
+    out = tmp_path / "out.bin"
+    out.write_bytes(bytes(48))
+    job = CopyJob()
+    job.add(t, [Target(job.target(out), 0, Box((4, 0), (4, 3)), "float32")])
+    assert [c[1] for c in job.tensors[0][1]] == [48]  # the middle chunk's byte offset, alone
+    job.run(sync=False)
+    assert np.frombuffer(out.read_bytes(), dtype=np.float32).tolist() == values[12:24].tolist()
+    # targets across the whole tensor keep every chunk, in order (the first listed wins where chunks overlap)
+    whole = CopyJob()
+    whole.add(t, [Target(whole.target(tmp_path / "o2"), 0, Box((0, 0), (12, 3)), "float32")])
+    assert [c[1] for c in whole.tensors[0][1]] == [0, 48, 96]
+    # a box not on whole rows: the chunks its first and last elements fall in, and any between
+    part = CopyJob()
+    part.add(t, [Target(part.target(tmp_path / "o3"), 0, Box((3, 2), (2, 1)), "float32")])  # elements 11 and 14
+    assert [c[1] for c in part.tensors[0][1]] == [0, 48]
