@@ -730,7 +730,12 @@ fn compare<'py>(
 
 fn dcp_leaf(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<Leaf> {
     let what = format!("leaves[{i}]");
-    let bad = || PyValueError::new_err(format!("{what} must be (key, path, kind, dtype, shape, totals), got {}", show(obj)));
+    let bad = || {
+        PyValueError::new_err(format!(
+            "{what} must be (key, path, kind, dtype, shape, totals), got {}",
+            show(obj)
+        ))
+    };
     let t = obj.cast::<PyTuple>().map_err(|_| bad())?;
     if t.len() != 6 {
         return Err(bad());
@@ -744,14 +749,21 @@ fn dcp_leaf(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<Leaf> {
         } else if x.is_instance_of::<PyInt>() {
             path.push(PathItem::Int(x.extract().map_err(|_| bad())?));
         } else {
-            return Err(PyValueError::new_err(format!("{what} path items must be str or int, got {}", show(x))));
+            return Err(PyValueError::new_err(format!(
+                "{what} path items must be str or int, got {}",
+                show(x)
+            )));
         }
     }
     let kind = match t.get_item(2)?.extract::<u8>().map_err(|_| bad())? {
         0 => LeafKind::Sharded,
         1 => LeafKind::Whole,
         2 => LeafKind::Bytes,
-        k => return Err(PyValueError::new_err(format!("{what} kind must be 0, 1 or 2, got {k}"))),
+        k => {
+            return Err(PyValueError::new_err(format!(
+                "{what} kind must be 0, 1 or 2, got {k}"
+            )))
+        }
     };
     let dtype: String = t.get_item(3)?.extract().map_err(|_| bad())?;
     let shape = non_negative_ints(&t.get_item(4)?, &format!("{what} shape"))?;
@@ -759,7 +771,14 @@ fn dcp_leaf(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<Leaf> {
     let totals: [u64; 3] = totals
         .try_into()
         .map_err(|_| PyValueError::new_err(format!("{what} totals must be three ints")))?;
-    Ok(Leaf { key, path, kind, dtype, shape, totals })
+    Ok(Leaf {
+        key,
+        path,
+        kind,
+        dtype,
+        shape,
+        totals,
+    })
 }
 
 /// A rank's item as Python gets it: `(leaf, index, offset, total, row0, rows)`.
@@ -772,7 +791,7 @@ struct DcpLayout {
     leaves: Vec<Leaf>,
     items: Vec<Item>,
     sizes: Vec<u64>,
-    by_rank: Vec<u32>,      // item indices, grouped by rank, in file order
+    by_rank: Vec<u32>,       // item indices, grouped by rank, in file order
     rank_starts: Vec<usize>, // by_rank[rank_starts[r]..rank_starts[r + 1]]: rank r's items
 }
 
@@ -785,7 +804,11 @@ impl DcpLayout {
     #[new]
     fn new(py: Python<'_>, leaves: &Bound<'_, PyAny>, world_size: usize) -> PyResult<Self> {
         let objs = list(leaves, "leaves", "tuples")?;
-        let leaves = objs.iter().enumerate().map(|(i, x)| dcp_leaf(x, i)).collect::<PyResult<Vec<_>>>()?;
+        let leaves = objs
+            .iter()
+            .enumerate()
+            .map(|(i, x)| dcp_leaf(x, i))
+            .collect::<PyResult<Vec<_>>>()?;
         let (leaves, items, sizes, by_rank, rank_starts) = py
             .detach(move || -> Result<_, dcp::LayoutError> {
                 let (items, sizes) = dcp::place(&leaves, world_size)?;
@@ -805,7 +828,13 @@ impl DcpLayout {
                 Ok((leaves, items, sizes, by_rank, rank_starts))
             })
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        Ok(DcpLayout { leaves, items, sizes, by_rank, rank_starts })
+        Ok(DcpLayout {
+            leaves,
+            items,
+            sizes,
+            by_rank,
+            rank_starts,
+        })
     }
 
     /// Each rank file's size in bytes.
@@ -821,22 +850,31 @@ impl DcpLayout {
     /// Rank `rank`'s items in file order: `(leaf, index, offset, total, row0, rows)`.
     fn items_of(&self, rank: usize) -> PyResult<Vec<RankItem>> {
         if rank + 1 >= self.rank_starts.len() {
-            return Err(PyValueError::new_err(format!("rank {rank} is not in a layout of {} ranks", self.sizes.len())));
+            return Err(PyValueError::new_err(format!(
+                "rank {rank} is not in a layout of {} ranks",
+                self.sizes.len()
+            )));
         }
-        Ok(self.by_rank[self.rank_starts[rank]..self.rank_starts[rank + 1]]
-            .iter()
-            .map(|&i| {
-                let it = &self.items[i as usize];
-                (it.leaf, it.index, it.offset, it.total, it.row0, it.rows)
-            })
-            .collect())
+        Ok(
+            self.by_rank[self.rank_starts[rank]..self.rank_starts[rank + 1]]
+                .iter()
+                .map(|&i| {
+                    let it = &self.items[i as usize];
+                    (it.leaf, it.index, it.offset, it.total, it.row0, it.rows)
+                })
+                .collect(),
+        )
     }
 
     /// Every item in key order: `(leaf, index, rank, offset, total, row0, rows)`.
     fn items(&self) -> Vec<(u32, u32, u32, u64, u64, u64, u64)> {
         self.items
             .iter()
-            .map(|it| (it.leaf, it.index, it.rank, it.offset, it.total, it.row0, it.rows))
+            .map(|it| {
+                (
+                    it.leaf, it.index, it.rank, it.offset, it.total, it.row0, it.rows,
+                )
+            })
             .collect()
     }
 
@@ -847,7 +885,12 @@ impl DcpLayout {
     }
 
     /// The `.metadata` pickle (`current`: with `TensorProperties.strides`, as torch 2.15 writes it).
-    fn metadata<'py>(&self, py: Python<'py>, current: bool, save_id: &str) -> PyResult<Bound<'py, PyBytes>> {
+    fn metadata<'py>(
+        &self,
+        py: Python<'py>,
+        current: bool,
+        save_id: &str,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let bytes = py
             .detach(|| dcp::metadata(&self.leaves, &self.items, current, save_id))
             .map_err(|e| PyValueError::new_err(e.to_string()))?;

@@ -83,14 +83,19 @@ impl std::error::Error for LayoutError {}
 /// The items of every leaf, in key order (a key's items by rank), and each rank file's size.
 pub fn place(leaves: &[Leaf], world_size: usize) -> Result<(Vec<Item>, Vec<u64>), LayoutError> {
     if world_size == 0 || world_size > u32::MAX as usize {
-        return Err(LayoutError(format!("world size {world_size} is out of range")));
+        return Err(LayoutError(format!(
+            "world size {world_size} is out of range"
+        )));
     }
     if leaves.len() > u32::MAX as usize {
         return Err(LayoutError("too many keys".into()));
     }
     for leaf in leaves {
         if leaf.shape.iter().any(|&d| d > i64::MAX as u64) {
-            return Err(LayoutError(format!("'{}': a dimension does not fit in 63 bits", leaf.key)));
+            return Err(LayoutError(format!(
+                "'{}': a dimension does not fit in 63 bits",
+                leaf.key
+            )));
         }
     }
     let ws = world_size as u64;
@@ -102,10 +107,9 @@ pub fn place(leaves: &[Leaf], world_size: usize) -> Result<(Vec<Item>, Vec<u64>)
         let li = li as u32;
         match leaf.kind {
             LeafKind::Sharded => {
-                let rows = *leaf
-                    .shape
-                    .first()
-                    .ok_or_else(|| LayoutError(format!("'{}': a sharded tensor needs dim >= 1", leaf.key)))?;
+                let rows = *leaf.shape.first().ok_or_else(|| {
+                    LayoutError(format!("'{}': a sharded tensor needs dim >= 1", leaf.key))
+                })?;
                 let per = rows.div_ceil(ws);
                 let mut last: Option<u64> = None;
                 let mut index = 0u32;
@@ -124,14 +128,30 @@ pub fn place(leaves: &[Leaf], world_size: usize) -> Result<(Vec<Item>, Vec<u64>)
                         leaf.totals[1]
                     };
                     load[r as usize] = load[r as usize].checked_add(total).ok_or_else(overflow)?;
-                    items.push(Item { leaf: li, index, rank: r as u32, offset: 0, total, row0: start, rows: size });
+                    items.push(Item {
+                        leaf: li,
+                        index,
+                        rank: r as u32,
+                        offset: 0,
+                        total,
+                        row0: start,
+                        rows: size,
+                    });
                     index += 1;
                 }
             }
             LeafKind::Whole | LeafKind::Bytes => {
                 floating.push(items.len());
                 let rows = leaf.shape.first().copied().unwrap_or(0);
-                items.push(Item { leaf: li, index: 0, rank: u32::MAX, offset: 0, total: leaf.totals[0], row0: 0, rows });
+                items.push(Item {
+                    leaf: li,
+                    index: 0,
+                    rank: u32::MAX,
+                    offset: 0,
+                    total: leaf.totals[0],
+                    row0: 0,
+                    rows,
+                });
             }
         }
     }
@@ -143,13 +163,18 @@ pub fn place(leaves: &[Leaf], world_size: usize) -> Result<(Vec<Item>, Vec<u64>)
             }
         }
         items[i].rank = best as u32;
-        load[best] = load[best].checked_add(items[i].total).ok_or_else(overflow)?;
+        load[best] = load[best]
+            .checked_add(items[i].total)
+            .ok_or_else(overflow)?;
     }
     let mut sizes = vec![0u64; world_size];
     for it in &mut items {
         let r = it.rank as usize;
         it.offset = sizes[r];
-        sizes[r] = sizes[r].checked_add(it.total).filter(|&n| n <= i64::MAX as u64).ok_or_else(overflow)?;
+        sizes[r] = sizes[r]
+            .checked_add(it.total)
+            .filter(|&n| n <= i64::MAX as u64)
+            .ok_or_else(overflow)?;
     }
     Ok((items, sizes))
 }
@@ -201,7 +226,13 @@ struct Pickler {
 
 impl Pickler {
     fn new(out: Out) -> Self {
-        let mut p = Pickler { out, strs: HashMap::new(), globals: Vec::new(), consts: Vec::new(), next: 0 };
+        let mut p = Pickler {
+            out,
+            strs: HashMap::new(),
+            globals: Vec::new(),
+            consts: Vec::new(),
+            next: 0,
+        };
         p.op(b"\x80\x02");
         p
     }
@@ -232,7 +263,11 @@ impl Pickler {
     }
 
     fn global(&mut self, module: &'static str, name: &str) {
-        if let Some(&(_, _, idx)) = self.globals.iter().find(|(m, n, _)| *m == module && n == name) {
+        if let Some(&(_, _, idx)) = self
+            .globals
+            .iter()
+            .find(|(m, n, _)| *m == module && n == name)
+        {
             return self.get(idx);
         }
         self.out.push(b'c');
@@ -276,7 +311,8 @@ impl Pickler {
             let bits = 64 - v.unsigned_abs().leading_zeros(); // Python's int.bit_length()
             let n = (bits as usize + 8) / 8;
             self.out.extend_from_slice(&[0x8a, n as u8]);
-            self.out.extend_from_slice(&i128::from(v).to_le_bytes()[..n]);
+            self.out
+                .extend_from_slice(&i128::from(v).to_le_bytes()[..n]);
         }
     }
 
@@ -323,8 +359,15 @@ fn strides(shape: &[u64]) -> Vec<i64> {
 /// The `.metadata` of the output [`place`] lays out, as `FileSystemWriter.finish`
 /// pickles torch 2.15's classes. `current`: `TensorProperties` with its `strides`
 /// (torch >= 2.15 reads it), else with the five fields of torch 2.4 to 2.14.
-pub fn metadata(leaves: &[Leaf], items: &[Item], current: bool, save_id: &str) -> Result<Vec<u8>, LayoutError> {
-    let out = Out::Bytes(Vec::with_capacity(items.len() * 130 + leaves.len() * 200 + 4096));
+pub fn metadata(
+    leaves: &[Leaf],
+    items: &[Item],
+    current: bool,
+    save_id: &str,
+) -> Result<Vec<u8>, LayoutError> {
+    let out = Out::Bytes(Vec::with_capacity(
+        items.len() * 130 + leaves.len() * 200 + 4096,
+    ));
     match pickle_metadata(leaves, items, current, save_id, out)? {
         Out::Bytes(v) => Ok(v),
         Out::Count(_) => unreachable!(),
@@ -332,14 +375,25 @@ pub fn metadata(leaves: &[Leaf], items: &[Item], current: bool, save_id: &str) -
 }
 
 /// The length of [`metadata`]'s bytes, computed without holding them.
-pub fn metadata_len(leaves: &[Leaf], items: &[Item], current: bool, save_id: &str) -> Result<usize, LayoutError> {
+pub fn metadata_len(
+    leaves: &[Leaf],
+    items: &[Item],
+    current: bool,
+    save_id: &str,
+) -> Result<usize, LayoutError> {
     match pickle_metadata(leaves, items, current, save_id, Out::Count(0))? {
         Out::Count(n) => Ok(n),
         Out::Bytes(v) => Ok(v.len()),
     }
 }
 
-fn pickle_metadata(leaves: &[Leaf], items: &[Item], current: bool, save_id: &str, out: Out) -> Result<Out, LayoutError> {
+fn pickle_metadata(
+    leaves: &[Leaf],
+    items: &[Item],
+    current: bool,
+    save_id: &str,
+    out: Out,
+) -> Result<Out, LayoutError> {
     let mut p = Pickler::new(out);
     let mut by_leaf: Vec<(usize, usize)> = vec![(0, 0); leaves.len()]; // items[start..stop] of each leaf
     let mut at = 0;
@@ -513,23 +567,61 @@ mod tests {
     fn shards_follow_torch_chunk_and_record_one_empty_box() {
         // 5 rows over 4 ranks: 2, 2, 1, then one empty box at offset 5 on rank 3
         let (items, sizes) = place(&[sharded("w", &[5, 3], [100, 60, 10])], 4).unwrap();
-        let got: Vec<_> = items.iter().map(|i| (i.rank, i.row0, i.rows, i.total, i.index)).collect();
-        assert_eq!(got, vec![(0, 0, 2, 100, 0), (1, 2, 2, 100, 1), (2, 4, 1, 60, 2), (3, 5, 0, 10, 3)]);
+        let got: Vec<_> = items
+            .iter()
+            .map(|i| (i.rank, i.row0, i.rows, i.total, i.index))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, 0, 2, 100, 0),
+                (1, 2, 2, 100, 1),
+                (2, 4, 1, 60, 2),
+                (3, 5, 0, 10, 3)
+            ]
+        );
         assert_eq!(sizes, vec![100, 100, 60, 10]);
         // 2 rows over 4 ranks: ranks 2 and 3 share one empty item (rank 2 holds it)
         let (items, _) = place(&[sharded("w", &[2], [7, 0, 3])], 4).unwrap();
-        assert_eq!(items.iter().map(|i| (i.rank, i.row0, i.rows)).collect::<Vec<_>>(), vec![(0, 0, 1), (1, 1, 1), (2, 2, 0)]);
+        assert_eq!(
+            items
+                .iter()
+                .map(|i| (i.rank, i.row0, i.rows))
+                .collect::<Vec<_>>(),
+            vec![(0, 0, 1), (1, 1, 1), (2, 2, 0)]
+        );
         // no rows at all: one empty item on rank 0
         let (items, _) = place(&[sharded("w", &[0, 4], [0, 0, 5])], 3).unwrap();
-        assert_eq!(items.iter().map(|i| (i.rank, i.row0, i.rows, i.total)).collect::<Vec<_>>(), vec![(0, 0, 0, 5)]);
+        assert_eq!(
+            items
+                .iter()
+                .map(|i| (i.rank, i.row0, i.rows, i.total))
+                .collect::<Vec<_>>(),
+            vec![(0, 0, 0, 5)]
+        );
     }
 
     #[test]
     fn floating_items_go_to_the_least_loaded_rank_and_keep_key_order_in_files() {
-        let step = Leaf { key: "s".into(), path: vec![], kind: LeafKind::Whole, dtype: "float32".into(), shape: vec![], totals: [4, 0, 0] };
-        let note = Leaf { key: "n".into(), path: vec![], kind: LeafKind::Bytes, dtype: String::new(), shape: vec![], totals: [9, 0, 0] };
+        let step = Leaf {
+            key: "s".into(),
+            path: vec![],
+            kind: LeafKind::Whole,
+            dtype: "float32".into(),
+            shape: vec![],
+            totals: [4, 0, 0],
+        };
+        let note = Leaf {
+            key: "n".into(),
+            path: vec![],
+            kind: LeafKind::Bytes,
+            dtype: String::new(),
+            shape: vec![],
+            totals: [9, 0, 0],
+        };
         // w: 3 rows over 2 ranks -> 2 + 1 rows: rank 1 is lighter, so s goes there, then n to rank 1 again (60 + 4 < 100)
-        let (items, sizes) = place(&[step.clone(), sharded("w", &[3], [100, 60, 10]), note], 2).unwrap();
+        let (items, sizes) =
+            place(&[step.clone(), sharded("w", &[3], [100, 60, 10]), note], 2).unwrap();
         let got: Vec<_> = items.iter().map(|i| (i.leaf, i.rank, i.offset)).collect();
         // s is first in key order, so first in rank 1's file although placed after the shards
         assert_eq!(got, vec![(0, 1, 0), (1, 0, 0), (1, 1, 4), (2, 1, 64)]);
@@ -543,7 +635,9 @@ mod tests {
         p.int(-(1 << 31));
         p.int(1 << 31);
         p.int(-(1 << 31) - 1);
-        let Out::Bytes(out) = &p.out else { unreachable!() };
+        let Out::Bytes(out) = &p.out else {
+            unreachable!()
+        };
         assert_eq!(&out[2..7], b"J\x05\x00\x00\x00");
         assert_eq!(&out[7..12], b"J\x00\x00\x00\x80");
         // Python: (2**31).to_bytes(5, "little", signed=True)
@@ -553,11 +647,15 @@ mod tests {
         for i in 0..300 {
             p.str(&format!("s{i}"));
         }
-        let Out::Bytes(out) = &p.out else { unreachable!() };
+        let Out::Bytes(out) = &p.out else {
+            unreachable!()
+        };
         let at = out.len();
         p.str("s0");
         p.str("s299");
-        let Out::Bytes(out) = &p.out else { unreachable!() };
+        let Out::Bytes(out) = &p.out else {
+            unreachable!()
+        };
         assert_eq!(&out[at..], b"h\x00j\x2b\x01\x00\x00");
     }
 
@@ -569,16 +667,25 @@ mod tests {
 
     #[test]
     fn metadata_len_is_the_length_of_the_metadata() {
-        let leaves = vec![sharded("w", &[5, 3], [100, 60, 10]), sharded("v", &[300], [7, 7, 7])];
+        let leaves = vec![
+            sharded("w", &[5, 3], [100, 60, 10]),
+            sharded("v", &[300], [7, 7, 7]),
+        ];
         let (items, _) = place(&leaves, 4).unwrap();
         let bytes = metadata(&leaves, &items, true, "id").unwrap();
-        assert_eq!(metadata_len(&leaves, &items, true, "id").unwrap(), bytes.len());
+        assert_eq!(
+            metadata_len(&leaves, &items, true, "id").unwrap(),
+            bytes.len()
+        );
         assert_eq!(bytes.last(), Some(&b'.'));
     }
 
     #[test]
     fn sizes_that_overflow_are_refused() {
-        let leaves = vec![sharded("a", &[1], [u64::MAX, 0, 0]), sharded("b", &[1], [1, 0, 0])];
+        let leaves = vec![
+            sharded("a", &[1], [u64::MAX, 0, 0]),
+            sharded("b", &[1], [1, 0, 0]),
+        ];
         assert!(place(&leaves, 1).is_err());
         assert!(place(&leaves, 0).is_err());
     }
