@@ -135,9 +135,8 @@ def execute(
     Where a target chunk's dtype differs from its source's, floats are cast
     (float32/float64/float16/bfloat16, round to nearest even, as torch does);
     any other dtype change is refused. Runs on ``threads`` threads (0: one per
-    CPU), in pieces of at most ``window_bytes / threads`` bytes, 64 KiB at a
-    time: from a file into a file by the kernel (``copy_file_range`` on Linux),
-    otherwise through one 64 KiB buffer per thread; fsyncs every
+    CPU), in pieces of at most ``window_bytes / threads`` bytes copied through
+    one 64 KiB buffer per thread; fsyncs every
     target at the end when ``sync``. Everything is validated before the first
     byte moves (file indices, regions, coverage, casts, chunk byte ranges
     against file sizes, overlapping target chunks).

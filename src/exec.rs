@@ -23,7 +23,6 @@ use std::cell::RefCell;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Mutex};
 
 use rayon::prelude::*;
@@ -586,79 +585,6 @@ fn run(
 /// short and zeroed and redid folios).
 const WRITE_STEP: usize = 64 << 10;
 
-/// Whether `copy_file_range` works between this job's files; cleared, for the rest of the
-/// process, the first time the kernel says it cannot (another filesystem, an old kernel).
-static KERNEL_COPY: AtomicBool = AtomicBool::new(true);
-
-/// Copies `len` bytes at `from` in `src` to `to` in `dst` inside the kernel
-/// (`copy_file_range`: page cache to page cache, without a user-space buffer or a
-/// second copy), as far as it can. Returns the bytes copied: all of them, or fewer
-/// (none) where the kernel cannot copy between these files, which the caller
-/// copies itself.
-///
-/// Measured on this project's 2-CPU VM, DCP 5 GB to torch_save `--no-sync` (warm
-/// cache, 3 rounds): 4.3-5.2 s against 6.6-7.5 s through the buffer (pread + pwrite),
-/// kernel time halved; `cp -r` of the input 5.2-7.5 s in that state of the machine.
-#[cfg(target_os = "linux")]
-fn kernel_copy(src: &File, from: u64, dst: &File, to: u64, len: usize) -> std::io::Result<usize> {
-    use std::os::fd::AsRawFd;
-    if !KERNEL_COPY.load(Ordering::Relaxed) {
-        return Ok(0);
-    }
-    let (Ok(mut off_in), Ok(mut off_out)) = (i64::try_from(from), i64::try_from(to)) else {
-        return Ok(0);
-    };
-    let mut done = 0usize;
-    while done < len {
-        // SAFETY: a plain syscall on open descriptors; the offsets are ours, updated by the kernel.
-        let n = unsafe {
-            libc::copy_file_range(
-                src.as_raw_fd(),
-                &mut off_in,
-                dst.as_raw_fd(),
-                &mut off_out,
-                len - done,
-                0,
-            )
-        };
-        if n > 0 {
-            done += n as usize;
-            continue;
-        }
-        if n == 0 {
-            return Ok(done); // the source ended early: the caller's read says so
-        }
-        let err = std::io::Error::last_os_error();
-        return match err.raw_os_error() {
-            Some(libc::EINTR) => continue,
-            Some(
-                libc::EXDEV
-                | libc::EINVAL
-                | libc::ENOSYS
-                | libc::EOPNOTSUPP
-                | libc::EPERM
-                | libc::ETXTBSY,
-            ) => {
-                KERNEL_COPY.store(false, Ordering::Relaxed);
-                Ok(done)
-            }
-            _ => Err(err),
-        };
-    }
-    Ok(done)
-}
-
-#[cfg(not(target_os = "linux"))]
-fn kernel_copy(
-    _src: &File,
-    _from: u64,
-    _dst: &File,
-    _to: u64,
-    _len: usize,
-) -> std::io::Result<usize> {
-    Ok(0)
-}
-
 thread_local! {
     /// A copy thread's read or cast buffer (one step), reused from piece to piece; it goes when
     /// the job's pool does.
@@ -707,11 +633,9 @@ fn run_piece(
     };
     let mut hasher = crc32fast::Hasher::new();
     if p.from == p.to {
-        // Same dtype, in steps (see WRITE_STEP): a file source into a file
-        // target is copied by the kernel (`kernel_copy`), into memory (or
-        // where the kernel cannot) read into the thread's buffer and written
-        // from there; an in-memory source is written from its bytes. Each
-        // step is hashed from the source's bytes while they are cached.
+        // Same dtype, in steps (see WRITE_STEP): a file source is read into
+        // the thread's buffer and written from there, an in-memory source
+        // is written from its bytes; each step is hashed while it is cached.
         let mut done = 0usize;
         while done < src.len() {
             // Steps end on WRITE_STEP boundaries of the target file, so that
@@ -719,43 +643,26 @@ fn run_piece(
             let at = p.dst_off + done as u64;
             let len = (WRITE_STEP - (at % WRITE_STEP as u64) as usize).min(src.len() - done);
             match sources[p.src].file() {
-                Some(file) => {
-                    let from = p.src_off + done as u64;
-                    // file to file: the kernel copies page cache to page cache (one copy, no
-                    // buffer); the rest of the step, where it cannot, through the buffer
-                    let copied = match targets[p.dst].file() {
-                        Some(out) => kernel_copy(file, from, out, at, len).map_err(|e| {
+                Some(file) => CAST_BUFFER.with(|buf| {
+                    let mut buf = buf.borrow_mut();
+                    if buf.len() < len {
+                        buf.resize(WRITE_STEP, 0);
+                    }
+                    let data = &mut buf[..len];
+                    file.read_exact_at(data, p.src_off + done as u64)
+                        .map_err(|e| {
                             Error::io(
-                                "cannot copy into target",
-                                Path::new(&job.targets[p.dst].name(p.dst)),
+                                "cannot read source file",
+                                Path::new(&source_name(&job.sources, p.src)),
                                 e,
                             )
-                        })?,
-                        None => 0,
-                    };
-                    if copied < len {
-                        CAST_BUFFER.with(|buf| {
-                            let mut buf = buf.borrow_mut();
-                            if buf.len() < len {
-                                buf.resize(WRITE_STEP, 0);
-                            }
-                            let data = &mut buf[..len - copied];
-                            file.read_exact_at(data, from + copied as u64)
-                                .map_err(|e| {
-                                    Error::io(
-                                        "cannot read source file",
-                                        Path::new(&source_name(&job.sources, p.src)),
-                                        e,
-                                    )
-                                })?;
-                            write_at(data, at + copied as u64)
                         })?;
-                    }
+                    write_at(data, at)?;
                     if crcs.is_some() {
-                        // the bytes just written, from the source's mapping (the page cache)
-                        hasher.update(&src[done..done + len]);
+                        hasher.update(data);
                     }
-                }
+                    Ok::<(), Error>(())
+                })?,
                 _ => {
                     let step = &src[done..done + len];
                     write_at(step, at)?;

@@ -2,10 +2,9 @@
 //! and target files written in place; plus the checks that every chunk's
 //! byte range lies inside its file before any byte moves.
 //!
-//! A source is mapped so that the CRC-32s, casts and comparisons read it where
-//! it is, and the page cache, not the heap, holds what is in flight; a copy
-//! without a cast between two files is made by the kernel (`copy_file_range`,
-//! see `exec::kernel_copy`), into memory through a small buffer. A file truncated
+//! A source is mapped rather than read so that copies need no buffer of their
+//! own: a copy without a cast hands the mapped slice straight to `pwrite`, and
+//! the page cache, not the heap, holds what is in flight. A file truncated
 //! after its size was checked can still fault (SIGBUS) on access; nothing
 //! short of reading into our own buffers avoids that, and that costs the
 //! memory bound.
