@@ -131,6 +131,7 @@ class Result:
     steps: int = 0
     redone: list[int] = field(default_factory=list)  # steps trained again after each kill
     resumed: int = 0  # segments that said they resumed from a checkpoint
+    eligible: int = 0  # segments that trained a step with a checkpoint committed before they started
     seconds: float = 0.0
     reference_seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -192,8 +193,13 @@ def soak(workdir: Path, kills: int, seed: int = 0, max_steps: int | None = None,
     env = _env(workdir, "kill", max_steps, every)
     log = workdir / "log-kill.txt"
     t0 = time.perf_counter()
+    manifest = workdir / "store-kill" / "manifest.json"
     while True:
         before = len(_logged(log))
+        try:
+            committed = bool(json.loads(manifest.read_text()).get("checkpoints"))
+        except (OSError, ValueError):
+            committed = False
         p = _start(workdir, "kill", env)
         killed = False
         if res.kills < kills:
@@ -211,8 +217,14 @@ def soak(workdir: Path, kills: int, seed: int = 0, max_steps: int | None = None,
                 killed = True
         _, err = p.communicate(timeout=3600)
         res.segments += 1
-        res.resumed += "resuming from checkpoint" in err
+        said = "resuming from checkpoint" in err
+        res.resumed += said
         lines = _logged(log)[before:]
+        if committed and lines:
+            # it got past start-up with a checkpoint there to take: it must have taken it
+            res.eligible += 1
+            if not said:
+                res.problems.append(f"segment {res.segments} trained steps from scratch although the store held a checkpoint")
         if killed:
             res.kills += 1
         elif p.returncode != 0:

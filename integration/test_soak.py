@@ -17,5 +17,8 @@ def test_twenty_kills_anywhere_lose_nothing_and_diverge_nowhere(tmp_path: Path) 
     assert res.kills == 20
     assert res.segments == 21
     # A runtime that started from scratch each time would log the same losses: the resumes must be real.
-    assert res.resumed >= 10, f"only {res.resumed} of 21 segments resumed from a checkpoint"
+    # Every segment that trained a step while the store held a checkpoint said it resumed (a problem
+    # otherwise); how many segments that is depends on where the timed kills land on a loaded machine
+    # (9 to 12 of 21 seen), so the floor is on those and on the resumes together.
+    assert res.eligible >= 8 and res.resumed >= res.eligible, (res.eligible, res.resumed)
     assert max(res.redone) <= 6

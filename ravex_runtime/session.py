@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, cast
 
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
+from ravex_convert.formats.native_store import empty_manifest
 
 from . import config as _config
 from ._passthrough import Passthrough
@@ -327,6 +328,10 @@ class Session:
         if held == ["checkpoints"] and (store / "checkpoints").is_dir() and not (store / "checkpoints").is_symlink() \
                 and not any((store / "checkpoints").iterdir()):
             held = []  # an empty checkpoints/ is what an interrupted creation leaves: nothing to lose
+        if "manifest.json" in held and empty_manifest(store / "manifest.json"):
+            # so is a manifest that lists nothing (creation writes it before the marker): the
+            # writer finishes such a store, as it would after a kill at that instant
+            held.remove("manifest.json")
         if held:
             raise IncompleteCheckpointError(
                 f"storage.path {store} holds {' and '.join(held)} of a Ravex store but not its marker ravex-store.json; "

@@ -35,7 +35,7 @@ from . import native
 from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
 from .native_check import check_manifest
 
-__all__ = ["CHECKPOINTS", "LOCK", "Entry", "Where", "create", "highest_dir_index", "locked", "open_store", "prepare",
+__all__ = ["CHECKPOINTS", "LOCK", "Entry", "Where", "create", "empty_manifest", "highest_dir_index", "locked", "open_store", "prepare",
            "refuse_links", "remove_checkpoint", "remove_store", "sweep", "where", "write_manifest"]
 
 CHECKPOINTS = "checkpoints"
@@ -201,7 +201,7 @@ def write_manifest(w: Where, manifest: dict[str, Any], run_id: str, generation: 
         raise
 
 
-def _empty_manifest(p: Path) -> bool:
+def empty_manifest(p: Path) -> bool:
     """A manifest that lists nothing, as an interrupted creation writes it."""
     try:
         doc = json.loads(p.read_bytes())
@@ -219,7 +219,7 @@ def _creation_leftover(p: Path) -> bool:
     if p.name == LOCK:
         return p.is_file()
     if p.name == MANIFEST:
-        return p.is_file() and _empty_manifest(p)
+        return p.is_file() and empty_manifest(p)
     return p.name.startswith((f"{MANIFEST}.tmp-", f"{STORE_MARKER}.tmp-")) and p.is_file()
 
 
@@ -280,7 +280,7 @@ def _prepare_objects(w: Where) -> None:
     rels = w.objects()
     if STORE_MARKER in rels:
         return
-    held = [n for n, there in ((MANIFEST, MANIFEST in rels and not _empty_manifest(w.path / MANIFEST)),
+    held = [n for n, there in ((MANIFEST, MANIFEST in rels and not empty_manifest(w.path / MANIFEST)),
                                (CHECKPOINTS, any(r.startswith(f"{CHECKPOINTS}/") for r in rels))) if there]
     if held:
         raise _lost_marker(w, held)
