@@ -325,13 +325,13 @@ class Session:
         """A directory holding a store's manifest or checkpoints but no marker is a damaged store, not an
         empty directory: starting over there would discard its checkpoints."""
         held = [n for n in ("manifest.json", "checkpoints") if os.path.lexists(store / n)]
+        if "manifest.json" in held and empty_manifest(store / "manifest.json"):
+            # a manifest that lists nothing is what creation writes before the marker: the
+            # writer finishes such a store, as it would after a kill at that instant
+            held.remove("manifest.json")
         if held == ["checkpoints"] and (store / "checkpoints").is_dir() and not (store / "checkpoints").is_symlink() \
                 and not any((store / "checkpoints").iterdir()):
             held = []  # an empty checkpoints/ is what an interrupted creation leaves: nothing to lose
-        if "manifest.json" in held and empty_manifest(store / "manifest.json"):
-            # so is a manifest that lists nothing (creation writes it before the marker): the
-            # writer finishes such a store, as it would after a kill at that instant
-            held.remove("manifest.json")
         if held:
             raise IncompleteCheckpointError(
                 f"storage.path {store} holds {' and '.join(held)} of a Ravex store but not its marker ravex-store.json; "

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ravex
-from ravex_convert.errors import RavexError
+from ravex_convert.errors import IncompleteCheckpointError, RavexError
 from ravex_runtime import ResumeError
 from ravex_runtime.config import ConfigError
 from ravex_runtime.status import store_status
@@ -191,6 +191,22 @@ def test_restore_with_nothing_in_the_store_returns_none_and_touches_nothing(env:
         assert (session.rank, session.world_size) == (0, 1)  # no process group
     assert same(everything(model, opt, sched), before)
     assert not (tmp_path / "empty" / "ravex-store.json").exists()
+
+
+def test_a_store_whose_creation_was_killed_is_finished_and_a_lost_marker_refused(env: Path, tmp_path: Path) -> None:
+    # creation writes an empty manifest, then the marker: a kill between the two leaves this
+    store = tmp_path / "half"
+    (store / "checkpoints").mkdir(parents=True)
+    (store / "manifest.json").write_text('{"format_version": 1, "checkpoints": [], "next_index": 0}')
+    model, opt, sched = build()
+    with ravex.Session(path=store) as session:
+        session.track(model=model, optimizer=opt, scheduler=sched)
+        assert session.restore() is None
+    # a manifest that lists checkpoints without its marker is a damaged store: refused, as before
+    (store / "manifest.json").write_text('{"format_version": 1, "checkpoints": [{"index": 0}], "next_index": 1}')
+    (store / "ravex-store.json").unlink(missing_ok=True)
+    with pytest.raises(IncompleteCheckpointError, match="not its marker"):
+        ravex.Session(path=store)
 
 
 def test_fresh_leaves_the_store_s_checkpoints_alone(env: Path, tmp_path: Path) -> None:
