@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from conftest import DATA
 
-from ravex_convert import RavexError, read_checkpoint
+from ravex_convert import RavexError, _torchwrite, read_checkpoint
 from ravex_convert._core import DcpLayout
 from ravex_convert._layout import PathItem
 from ravex_convert._output import Options
@@ -52,7 +52,7 @@ def oracle_metadata(plan: Any, form: str, save_id: str) -> bytes:
             props: tuple[Any, ...] = (PickleGlobal("torch", value.dtype), PickleGlobal("torch", "strided"), False,
                                       PickleObject(_MD, "_MEM_FORMAT_ENCODING", (0,)), False)
             if form == "current":
-                props += (dcp_write._strides(value.shape),)
+                props += (_torchwrite._strides(value.shape),)
             chunks = [_dataclass("ChunkStorageMetadata", {"offsets": _size(it.box.offsets), "sizes": _size(it.box.sizes)}) for it in items]
             properties = PickleObject(_MD, "TensorProperties", (), state=props, newobj=True)
             sd_meta[key] = _dataclass("TensorStorageMetadata", {"properties": properties, "size": _size(value.shape), "chunks": chunks})

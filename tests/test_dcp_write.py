@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import ravex_convert
-from ravex_convert import RavexError, read_checkpoint
+from ravex_convert import RavexError, _torchwrite, read_checkpoint
 from ravex_convert._engine import CopyJob
 from ravex_convert._output import Options
 from ravex_convert.formats import dcp as dcp_read
@@ -423,7 +423,7 @@ def _torch_metadata(plan: Any, form: str, save_id: str) -> Metadata:
         items = by_key[key]
         if isinstance(value, dcp_write._Leaf):
             props = TensorProperties(dtype=getattr(torch, value.dtype))
-            props.strides = dcp_write._strides(value.shape) if form == "current" else None
+            props.strides = _torchwrite._strides(value.shape) if form == "current" else None
             chunks = [ChunkStorageMetadata(offsets=torch.Size(it.box.offsets), sizes=torch.Size(it.box.sizes)) for it in items if it.box]
             sd[key] = TensorStorageMetadata(properties=props, size=torch.Size(value.shape), chunks=chunks)
             for it in items:

@@ -55,7 +55,7 @@ from .._layout import PathItem, StateLayout, layout_of, optimizer_tree, place
 from .._output import Options, out_dtype
 from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import RavexError
-from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize
+from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize, numel
 from ..plan import OutFile, WritePlan, run
 from .dcp import METADATA
 
@@ -239,15 +239,6 @@ class _Item:
         return self.file_offset + self.layout.entries[self.layout.data_entries[0]].data_offset
 
 
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out: list[int] = []
-    acc = 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(out))
-
-
 # A key's kind, as the core's DcpLayout takes it
 _SHARDED, _WHOLE, _BYTES = 0, 1, 2
 
@@ -305,9 +296,7 @@ def _plan(ckpt: Checkpoint, opts: Options, layout: str | None = None) -> _Plan:
         # equal shards (same dtype and shape) have equal archives: one layout serves them all
         shared = layouts.get((dtype, sizes))
         if shared is None:
-            n = 1
-            for s in sizes:
-                n *= s
+            n = numel(sizes)
             pkl = dumps(TensorOut(StorageOut("0", dtype, n), sizes))
             shared = layouts[(dtype, sizes)] = _archive(pkl, n * itemsize(dtype))
         return shared
