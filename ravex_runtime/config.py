@@ -38,6 +38,11 @@ class Config:
     sharded_checkpoints: str = "gather"
     source: str = "defaults"  # the file the configuration came from, for messages
 
+    @property
+    def store(self) -> str | Path:
+        """The store as the writers take it: the path, or ``objdir:PATH`` (object-store semantics)."""
+        return f"objdir:{self.storage_path}" if self.storage_type == "objdir" else self.storage_path
+
 
 # key -> (kind, later-work?)  kinds: int+ (positive int), int+? (positive int or null), choice, path, bool, resume
 _KEYS: dict[str, str] = {
@@ -54,12 +59,14 @@ _KEYS: dict[str, str] = {
     "sharded_checkpoints": "sharded_checkpoints",
 }
 _LATER = {"replicate_every"}
-_CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "storage_type": ("local",),
+_CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "storage_type": ("local", "objdir"),
             "sharded_checkpoints": ("gather", "per_rank")}
 _LATER_STORAGE = ("s3", "r2")
 _ENV = {"RAVEX_" + k.upper().replace(".", "_"): k for k in [*_KEYS, *_LATER]}
-# not settings, but Ravex's own: the on/off switch, and the set-up scripts' venv path
-_ENV_OTHER = {"RAVEX_ENABLED", "RAVEX_VENV"}
+# not settings, but Ravex's own: the on/off switch, the set-up scripts' venv path, and the storage
+# switch of the test suite (RAVEX_STORAGE=objdir: every plain path through the objdir backend)
+_ENV_OTHER = {"RAVEX_ENABLED", "RAVEX_VENV", "RAVEX_STORAGE"}
+_OBJDIR = "objdir:"
 
 
 def enabled() -> bool:
@@ -127,13 +134,12 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
             return None
         if not isinstance(value, str) or not value:
             raise bad("expected a path")
-        if key == "storage.path" and value.startswith("objdir:"):
-            # Taken as a path, it would name a directory "objdir:" under the working directory.
-            raise ConfigError(f"{name} is {value!r}: the runtime does not write to object storage yet (its run lock, the "
-                              "storage probe and restore work on a filesystem)",
-                              hint="use a local or shared filesystem path; `ravex convert STORE objdir:...` copies a store "
-                                   "to object storage")
-        p = Path(os.path.expanduser(value))
+        text = value
+        if key == "storage.path" and value.startswith(_OBJDIR):
+            text = value[len(_OBJDIR):].removeprefix("//")  # objdir:PATH, objdir:///abs/path: see _apply
+            if not text:
+                raise bad("expected objdir:PATH, PATH naming the store in its bucket (the directory above it)")
+        p = Path(os.path.expanduser(text))
         return p if p.is_absolute() else base / p
     if kind == "bool":
         if not isinstance(value, bool):
@@ -143,7 +149,8 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     if isinstance(value, str) and value:
-        p = Path(os.path.expanduser(value))
+        # a checkpoint on object storage is read through its local view (the same bytes as ranged GETs)
+        p = Path(os.path.expanduser(value.removeprefix(_OBJDIR).removeprefix("//") if value.startswith(_OBJDIR) else value))
         return str(p if p.is_absolute() else base / p)
     raise bad("expected a store index (e.g. -2) or a checkpoint path")
 
@@ -157,6 +164,8 @@ def _apply(cfg: Config, values: dict[str, Any], where: str, base: Path, env: boo
             raise ConfigError(f"{where}: unknown key {key!r}", hint=f"known keys: {known}")
         value = _value(key, _parse_env(key, raw) if env else raw, where, base)
         setattr(cfg, key.replace(".", "_"), value)
+        if key == "storage.path" and isinstance(raw, str) and raw.startswith(_OBJDIR):
+            cfg.storage_type = "objdir"  # the object-store-semantics backend, spelled in the path as the CLI takes it
 
 
 def load_config(cwd: Path | None = None, environ: dict[str, str] | None = None) -> Config:

@@ -139,21 +139,25 @@ class Coord:
         self._dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def probe(self, store: Path) -> list[bool]:
-        """Which ranks see the store directory rank 0 sees: rank 0 leaves a token file there, each
-        rank looks for it at its own ``store`` path, rank 0 removes it. By rank."""
+    def probe(self, store: str | Path) -> list[bool]:
+        """Which ranks see the store rank 0 sees: rank 0 leaves a token object there (through the
+        storage layer), each rank looks for it in its own view of ``store``, rank 0 deletes it. By rank."""
+        from ravex_convert.formats.native_store import where
+
         token = f"{PROBE_PREFIX}{self.prefix.split('/')[1]}"
+        w = where(store)
         if self.rank == 0:
             try:
-                store.mkdir(parents=True, exist_ok=True)
-                (store / token).write_text(self.host)
+                if w.posix:
+                    w.path.mkdir(parents=True, exist_ok=True)
+                w.storage.put(w.key_of(token), self.host.encode())
             except OSError as exc:  # every rank still takes part in both exchanges below
-                log.warning("ravex: storage: cannot write the probe file in %s (%s); taking the store for not shared", store, exc)
+                log.warning("ravex: storage: cannot write the probe file in %s (%s); taking the store for not shared", w.name, exc)
         self.all_gather(None)  # the token is there before anyone looks
-        seen = self.all_gather((store / token).is_file())
+        seen = self.all_gather(w.storage.exists(w.key_of(token)))
         if self.rank == 0:
             with contextlib.suppress(OSError):
-                (store / token).unlink(missing_ok=True)
+                w.storage.delete(w.key_of(token))
         return seen
 
     # ------------------------------------------------------------ preemption (the store)

@@ -87,6 +87,7 @@ def _after_fork_child() -> None:
         if s._lock_fd is not None:
             os.close(s._lock_fd)
             s._lock_fd = None
+        s._lease = None  # the parent's: the child never releases it
     _open.clear()
 
 
@@ -227,7 +228,8 @@ class Session:
             cfg = dataclasses.replace(cfg)
             _config._apply(cfg, given, "ravex.Session()", Path.cwd(), env=False)
         self.config = cfg
-        self.path = Path(cfg.storage_path)
+        self.path = Path(cfg.storage_path)  # where the store's bytes are read (an objdir store's local view)
+        self.dst: str | Path = cfg.store  # the store as the writers and the storage layer take it
         self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
         from .dist import topology
 
@@ -275,6 +277,7 @@ class Session:
         self._queue: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
         self._writer: threading.Thread | None = None
         self._lock_fd: int | None = None
+        self._lease: Any = None  # object storage: the run's lease, held open (a context manager)
         self._store_lock = threading.Lock()
         self._spare: dict[str, torch.Tensor] = {}
         self._spare_lock = threading.Lock()
@@ -290,22 +293,18 @@ class Session:
     # ------------------------------------------------------------ the store
 
     def _take_lock(self) -> None:
+        from ravex_convert.formats import native_store
+
+        w = native_store.where(self.dst)
+        if not w.posix:
+            self._take_lease(w)
+            return
         store = self.path
         if store.exists() and not store.is_dir():
             raise RavexError(f"storage.path {store} exists and is not a directory", hint=f"set storage.path in {self.config.source} to a directory")
         store.mkdir(parents=True, exist_ok=True)
         if not (store / "ravex-store.json").is_file():
-            from .loading import TS_FILE
-
-            self._refuse_unmarked(store)
-            from .dist import PROBE_PREFIX
-
-            other = [p.name for p in store.iterdir()
-                     if p.name not in ("lock", "manifest.json", "checkpoints") and ".tmp-" not in p.name and not TS_FILE.fullmatch(p.name)
-                     and not p.name.startswith(PROBE_PREFIX)]
-            if other:
-                raise RavexError(f"storage.path {store} is not a Ravex store and not empty (it holds {', '.join(sorted(other)[:5])})",
-                                 hint=f"point storage.path in {self.config.source} at a new or empty directory", path=store)
+            self._refuse_foreign(store, {p.name: p for p in store.iterdir()})
         # The run lock is a flock on the store directory itself; the writer's own lock (<store>/lock)
         # is taken per write, so the two never meet in one process.
         fd = os.open(store, os.O_RDONLY)
@@ -321,20 +320,65 @@ class Session:
         self._lock_fd = fd
         _open.append(self)
 
-    def _refuse_unmarked(self, store: Path) -> None:
+    def _take_lease(self, w: Any) -> None:
+        """The run lock on object storage (no directory to flock): the lease object ``<store>/run-lock``
+        (docs/format.md section 3), held until :meth:`close`; the writer's own lease (``<store>/lock``)
+        is taken per write, as the lock file is locally."""
+        from ravex_convert.formats.native_store import RUN_LOCK
+        from ravex_convert.storage import PreconditionFailed
+
+        bucket = getattr(w.storage, "root", None)
+        if isinstance(bucket, str) and not os.path.isdir(bucket):
+            raise RavexError(f"storage.path {w.name}: its bucket {bucket} (the directory above the store) does not exist",
+                             hint="create the bucket first (object storage has no directories to make)", path=Path(bucket))
+        if w.storage.exists(w.key):
+            raise RavexError(f"storage.path {w.name} is an object, not a store (a prefix of objects)",
+                             hint=f"set storage.path in {self.config.source} to another key", path=w.path)
+        rels = w.objects()
+        if "ravex-store.json" not in rels:
+            # a "directory" of object storage exists only while objects lie under it: checkpoints/ is never empty here
+            self._refuse_foreign(w.path, {r.split("/", 1)[0]: None for r in rels}, shown=w.name)
+        lease = w.storage.lease(w.key_of(RUN_LOCK), self.run_id)
+        try:
+            lease.__enter__()
+        except PreconditionFailed as held:
+            raise RavexError(f"{w.name}: another training run is using this checkpoint store ({held})",
+                             hint="only one run may write to a store at a time: stop the other run, or set storage.path (RAVEX_STORAGE_PATH) "
+                                  f"to another store; a run killed on another machine leaves its lease behind: once it is certainly gone, "
+                                  f"delete the object {w.shown(RUN_LOCK)}", path=w.path) from None
+        self._lease = lease
+        _open.append(self)
+
+    def _refuse_foreign(self, store: Path, names: dict[str, Path | None], *, shown: str | None = None) -> None:
+        """A store without its marker: refuse what is not an empty directory or what an interrupted
+        creation leaves. ``names``: the store's top-level entries (a local path each; None on object storage)."""
+        from ravex_convert.formats.native_store import LOCK, RUN_LOCK
+
+        from .dist import PROBE_PREFIX
+        from .loading import TS_FILE
+
+        shown = shown or str(store)
+        self._refuse_unmarked(store, names, shown)
+        other = [n for n in names if n not in (LOCK, RUN_LOCK, "manifest.json", "checkpoints") and ".tmp-" not in n
+                 and not TS_FILE.fullmatch(n) and not n.startswith(PROBE_PREFIX)]
+        if other:
+            raise RavexError(f"storage.path {shown} is not a Ravex store and not empty (it holds {', '.join(sorted(other)[:5])})",
+                             hint=f"point storage.path in {self.config.source} at a new or empty directory", path=store)
+
+    def _refuse_unmarked(self, store: Path, names: dict[str, Path | None], shown: str) -> None:
         """A directory holding a store's manifest or checkpoints but no marker is a damaged store, not an
         empty directory: starting over there would discard its checkpoints."""
-        held = [n for n in ("manifest.json", "checkpoints") if os.path.lexists(store / n)]
+        held = [n for n in ("manifest.json", "checkpoints") if n in names]
         if "manifest.json" in held and empty_manifest(store / "manifest.json"):
             # a manifest that lists nothing is what creation writes before the marker: the
             # writer finishes such a store, as it would after a kill at that instant
             held.remove("manifest.json")
-        if held == ["checkpoints"] and (store / "checkpoints").is_dir() and not (store / "checkpoints").is_symlink() \
-                and not any((store / "checkpoints").iterdir()):
+        ck = names.get("checkpoints")
+        if held == ["checkpoints"] and ck is not None and ck.is_dir() and not ck.is_symlink() and not any(ck.iterdir()):
             held = []  # an empty checkpoints/ is what an interrupted creation leaves: nothing to lose
         if held:
             raise IncompleteCheckpointError(
-                f"storage.path {store} holds {' and '.join(held)} of a Ravex store but not its marker ravex-store.json; "
+                f"storage.path {shown} holds {' and '.join(held)} of a Ravex store but not its marker ravex-store.json; "
                 "Ravex does not take it for an empty directory (that would start over and discard its checkpoints)",
                 hint=f"if it is your store, put its ravex-store.json back (a copy, or see docs/format.md section 2); "
                      f"to start a new run, set storage.path in {self.config.source} to a new directory", path=store / "ravex-store.json")
@@ -356,7 +400,7 @@ class Session:
         self.coord_prefix = self.coord.prefix
         self.rank, self.world_size = self.coord.rank, self.coord.size
         self.run_id = self.coord.broadcast(self.run_id)  # one run: rank 0's id on every rank
-        seen = self.coord.probe(self.path)
+        seen = self.coord.probe(self.dst)
         self.shared = all(seen)
         if self.rank == 0 and not self.shared:
             blind = [r for r, ok in enumerate(seen) if not ok]
@@ -399,6 +443,9 @@ class Session:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self._lease is not None:
+            lease, self._lease = self._lease, None
+            lease.__exit__(None, None, None)
         if self in _open:
             _open.remove(self)
 
@@ -764,7 +811,7 @@ class Session:
                 opts.world_size, opts.keep_chunks = self.world_size, True
                 try:
                     with _dist.spread(group):
-                        result = native_write.write(ckpt, self.path, opts, run_id=self.run_id.replace(".", "-"))
+                        result = native_write.write(ckpt, self.dst, opts, run_id=self.run_id.replace(".", "-"))
                 except BaseException as exc:
                     group.abort(f"rank {self.rank}: {exc}")  # the others stop waiting for this rank's part
                     raise
@@ -773,14 +820,14 @@ class Session:
                     self.writes += 1
                     return
             else:
-                result = native_write.write(ckpt, self.path, opts, run_id=self.run_id.replace(".", "-"))
+                result = native_write.write(ckpt, self.dst, opts, run_id=self.run_id.replace(".", "-"))
             for w in result.get("warnings", []):
                 log.warning("ravex: %s", w)
             self.last_index = int(result["index"])
             self.writes += 1
             if self.config.keep_last is not None and self._may_prune():
                 pinned = {self.resumed_index} if self.resumed_index is not None else set()
-                native_write.prune(self.path, self.config.keep_last, pinned=pinned)
+                native_write.prune(self.dst, self.config.keep_last, pinned=pinned)
 
     def _writers_group(self, snap: Snapshot) -> Any:
         """The messages of the ranks' writers for this per_rank checkpoint, named by its step: a rank
@@ -796,19 +843,25 @@ class Session:
         temporary name and renamed into place by the torch_save writer); keep_last by file."""
         from ravex_convert._output import Options
         from ravex_convert.formats import torch_save
+        from ravex_convert.storage import resolve
 
         from .loading import torch_save_files
 
         files = torch_save_files(self.path)
         index = max(files, default=-1) + 1
-        torch_save.write(ckpt, self.path / f"ckpt-{index:08d}.pt", Options(threads=WRITER_THREADS))
+        torch_save.write(ckpt, self._in_store(f"ckpt-{index:08d}.pt"), Options(threads=WRITER_THREADS))
         self.last_index = index
         self.writes += 1
         if self.config.keep_last is not None and self._may_prune():
             files = torch_save_files(self.path)
             for i in list(files)[:-self.config.keep_last]:
                 if i != self.resumed_index:
-                    files[i].unlink()
+                    storage, key = resolve(self._in_store(files[i].name))
+                    storage.delete(key)
+
+    def _in_store(self, name: str) -> Path:
+        """``name`` in the store, spelled for the storage layer (``objdir:`` kept: a Path keeps it)."""
+        return Path(self.dst) / name
 
     def _extra(self) -> dict[str, Any]:
         """What every checkpoint keeps under ``extra``: the run's id, and where the run began when that

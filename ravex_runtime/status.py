@@ -18,7 +18,7 @@ __all__ = ["store_status"]
 
 
 def _default_store() -> Path:
-    return load_config().storage_path
+    return load_config().storage_path  # an objdir store's path is its local view too
 
 
 def _dir_size(d: Path) -> int:
@@ -71,8 +71,9 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
     run on many ranks, else None; began_from: the other program's checkpoint the run began from, else None) and
     ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint)."""
     from ravex_convert.formats.native import CHECKPOINT, MANIFEST, STORE_MARKER
+    from ravex_convert.storage import local_view
 
-    store = Path(path) if path is not None else _default_store()
+    store = local_view(path) if path is not None else _default_store()
     if not (store / STORE_MARKER).is_file():
         raise NotFoundError(f"{store}: not a Ravex store (no {STORE_MARKER})",
                             hint="give the store directory (storage.path in ravex.yaml) or run where ravex.yaml is", path=store)

@@ -72,9 +72,22 @@ def test_bad_environment_values_name_the_variable(tmp_path: Path) -> None:
         load_config(tmp_path, environ={"RAVEX_CHECKPOINT_EVRY": "3"})
     with pytest.raises(ConfigError, match="not supported yet"):
         load_config(tmp_path, environ={"RAVEX_STORAGE_TYPE": "s3"})
-    # not a directory named "objdir:" in the working directory
-    with pytest.raises(ConfigError, match="RAVEX_STORAGE_PATH: storage.path is 'objdir:///b/store': the runtime does not write to object"):
-        load_config(tmp_path, environ={"RAVEX_STORAGE_PATH": "objdir:///b/store"})
+    with pytest.raises(ConfigError, match="RAVEX_STORAGE_PATH: storage.path is 'objdir://', expected objdir:PATH"):
+        load_config(tmp_path, environ={"RAVEX_STORAGE_PATH": "objdir://"})
+
+
+def test_an_objdir_store_is_object_storage_not_a_directory_named_objdir(tmp_path: Path) -> None:
+    for spelled in ("objdir:///b/store", "objdir:/b/store"):
+        cfg = load_config(tmp_path, environ={"RAVEX_STORAGE_PATH": spelled})
+        assert (cfg.storage_type, cfg.storage_path, cfg.store) == ("objdir", Path("/b/store"), "objdir:/b/store")
+    (tmp_path / "ravex.yaml").write_text("storage:\n  path: objdir:bucket/store\n")  # relative to the file, as a path is
+    cfg = load_config(tmp_path, environ={})
+    assert cfg.store == f"objdir:{tmp_path.resolve()}/bucket/store"
+    (tmp_path / "ravex.yaml").write_text("storage:\n  type: objdir\n  path: bucket/store\n")
+    assert load_config(tmp_path, environ={}).store == f"objdir:{tmp_path.resolve()}/bucket/store"
+    assert load_config(tmp_path, environ={"RAVEX_STORAGE": "objdir"}).storage_type == "objdir"  # the test switch is not a setting
+    (tmp_path / "ravex.yaml").unlink()
+    assert load_config(tmp_path, environ={}).store == tmp_path.resolve() / "ravex_checkpoints"
 
 
 def test_enabled_flag(monkeypatch: pytest.MonkeyPatch) -> None:

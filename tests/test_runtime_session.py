@@ -107,7 +107,7 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def loop(tmp_path: Path, mode: str, k: int, workers: int, store: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def loop(tmp_path: Path, mode: str, k: int, workers: int, store: Path | str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Run the loop in a fresh interpreter (-P: the installed Ravex, not the source tree, which lacks the compiled core)."""
     out = tmp_path / f"{mode}-{k}-{workers}.json"
     res = subprocess.run([sys.executable, "-P", "-c", LOOP, mode, str(store), str(out), str(k), str(workers), str(TOTAL)],
@@ -134,6 +134,25 @@ def test_a_hand_written_loop_resumed_in_a_fresh_process_is_bit_identical(tmp_pat
     assert resumed["losses"] == {s: ref["losses"][s] for s in range(k + 1, TOTAL + 1)}
     assert weights.keys() == ref_weights.keys()
     assert all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights)
+
+
+def test_the_loop_on_object_storage_killed_and_resumed_is_bit_identical(tmp_path: Path) -> None:
+    """The same on ``objdir:`` (docs/format.md section 3): the killed run leaves its lease object
+    behind (no kernel releases it), and the next run of this host takes it over."""
+    k, workers = 7, 2
+    ref, ref_weights = loop(tmp_path, "plain", k, workers, tmp_path / "unused")
+    (tmp_path / "bucket").mkdir()
+    store = f"objdir:{tmp_path}/bucket/store"
+    part, _ = loop(tmp_path, "part", k, workers, store)
+    assert part["losses"] == {s: ref["losses"][s] for s in range(1, k + 2)}
+    assert (tmp_path / "bucket" / "store" / "run-lock").is_file()  # died holding it
+    assert [c["step"] for c in store_status(store)["checkpoints"]] == sorted({*range(3, k, 3), k})
+    resumed, weights = loop(tmp_path, "resume", k, workers, store)
+    assert resumed["restored"] == k
+    assert resumed["losses"] == {s: ref["losses"][s] for s in range(k + 1, TOTAL + 1)}
+    assert all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights)
+    assert not (tmp_path / "bucket" / "store" / "run-lock").exists()  # closed: released
+    assert not list((tmp_path / "bucket").rglob("*.tmp-*"))  # nothing renamed into place: no temporary names
 
 
 # ---------------------------------------------------------------- in-process

@@ -168,3 +168,22 @@ def test_local_conditional_put_and_lease(tmp_path: Path) -> None:
         pass
     with local.lease(lock, "run-b"):
         pass
+
+
+def test_a_forked_child_never_releases_its_parent_s_lease(tmp_path: Path) -> None:
+    # A DataLoader worker is a fork of the process holding a run's lease: when the child's copy of
+    # the holder goes away, the lease object must stay the parent's.
+    (tmp_path / "b").mkdir()
+    st = ObjectDirStorage(tmp_path / "b")
+    lease = st.lease("s/lock", "run")
+    lease.__enter__()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            lease.__exit__(None, None, None)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert st.exists("s/lock")
+    lease.__exit__(None, None, None)
+    assert not st.exists("s/lock")

@@ -35,11 +35,14 @@ from . import native
 from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
 from .native_check import check_manifest
 
-__all__ = ["CHECKPOINTS", "LOCK", "Entry", "Where", "create", "empty_manifest", "highest_dir_index", "locked", "open_store", "prepare",
+__all__ = ["CHECKPOINTS", "LOCK", "RUN_LOCK", "Entry", "Where", "create", "empty_manifest", "highest_dir_index", "locked", "open_store", "prepare",
            "refuse_links", "remove_checkpoint", "remove_store", "sweep", "where", "write_manifest"]
 
 CHECKPOINTS = "checkpoints"
 LOCK = "lock"
+# On object storage, the lease a training run holds for its whole life (section 3); locally the
+# run's lock is an flock on the store directory, which has no object to stand for it.
+RUN_LOCK = "run-lock"
 _NUMBERED = re.compile(r"(\d{8})")
 _ANY_INDEX = re.compile(r"(\d{8})(?:\.tmp-.*)?")
 _LINK_HINT = ("a store's own files and directories are never links; replace the link by what it points to, or write to another "
@@ -284,7 +287,7 @@ def _prepare_objects(w: Where) -> None:
                                (CHECKPOINTS, any(r.startswith(f"{CHECKPOINTS}/") for r in rels))) if there]
     if held:
         raise _lost_marker(w, held)
-    leftover = {LOCK} | ({MANIFEST} if MANIFEST in rels else set())
+    leftover = {LOCK, RUN_LOCK} | ({MANIFEST} if MANIFEST in rels else set())
     other = sorted({r.split("/", 1)[0] for r in rels if r not in leftover
                     and not r.startswith((f"{MANIFEST}.tmp-", f"{STORE_MARKER}.tmp-"))})
     if other:

@@ -352,12 +352,15 @@ class ObjectDirStorage:
         :class:`PreconditionFailed`. While it is held, the audit hook watches the bucket: what
         the holder does there goes through the backend."""
         gen = self._take(key, lease_note(holder))
+        owner = os.getpid()
         _watch(self.root)
         try:
             yield
         finally:
             _unwatch(self.root)
-            now = self.stat(key)
+            # A forked child (a DataLoader worker) finalizing its copy of the holder's state never
+            # releases: the lease is the parent's, who still holds it.
+            now = self.stat(key) if os.getpid() == owner else None
             if now is not None and now.generation == gen:  # still ours
                 with contextlib.suppress(FileNotFoundError):
                     self.delete(key)
