@@ -21,6 +21,7 @@ __all__ = [
     "checksum_ranges",
     "compare",
     "compress_range",
+    "crc32_concat",
     "decompress_frame",
     "decompress_frame_to",
     "execute",
@@ -117,12 +118,16 @@ def execute(
     sync: bool = True,
     crc_ranges: Sequence[tuple[int, int, int]] | None = None,
     writeback: bool = False,
+    read_crcs: bool = False,
 ) -> dict[str, Any]:
     """Copy every target chunk's elements from the source chunks.
 
     With ``crc_ranges`` (``(target index, offset, length)``), the result also
     has ``crcs``: each range's CRC-32 combined from the pieces written (None
-    where this call's writes do not tile the range).
+    where this call's writes do not tile the range). With ``read_crcs``, also
+    ``read_crcs``: ``(source index, offset, length, crc)`` of each stretch of
+    source bytes copied unchanged (a cast's are left out), to check a source's
+    own CRC-32s without reading it again (:func:`crc32_concat` joins them).
 
     ``sources`` are files (mapped read-only), ``bytes`` or other C-contiguous
     byte buffers (a ``memoryview``; it must not change during the call),
@@ -162,6 +167,9 @@ def plan_summary(
     ``pieces`` (ints) and ``per_target_bytes`` (a list: bytes written into
     each target).
     """
+
+def crc32_concat(parts: Sequence[tuple[int, int]]) -> int:
+    """The CRC-32 of byte strings one after another, from each one's ``(crc, length)``."""
 
 def checksum_ranges(path: str, ranges: Sequence[tuple[int, int]], algo: Literal["xxh3-64", "crc32"]) -> list[int]:
     """The checksum of each ``(offset, length)`` byte range of the file, in order.

@@ -164,6 +164,7 @@ class CopyJob:
     targets: list[str | bytearray | memoryview] = field(default_factory=list)  # files, or memory (a live tensor's bytes)
     tensors: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = field(default_factory=list)
     crcs: list[int] = field(default_factory=list)  # of crc_ranges, after run()
+    read_crcs: list[tuple[int, int, int, int]] = field(default_factory=list)  # run(read_crcs=True): (source, offset, length, crc)
     names: list[str] = field(default_factory=list)  # each tensor's logical name, for messages
 
     @property
@@ -191,7 +192,8 @@ class CopyJob:
         self.names.append(tensor.name)
 
     def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20,
-            crc_ranges: list[tuple[int, int, int]] | None = None, threads: int = 0, writeback: bool | None = None) -> dict[str, int]:
+            crc_ranges: list[tuple[int, int, int]] | None = None, threads: int = 0, writeback: bool | None = None,
+            read_crcs: bool = False) -> dict[str, int]:
         """Execute in batches of about ``batch_bytes`` so a progress bar can move:
         ``progress(n)`` after each batch, with the bytes it wrote, and first
         ``progress.add_total(bytes)`` where ``progress`` has that method.
@@ -199,7 +201,10 @@ class CopyJob:
         range's CRC-32, gathered while copying (a zip entry's CRC without
         reading the output again). With ``writeback`` (the default: every
         writer fsyncs its files before it commits) the disk starts writing each
-        piece as soon as it is copied, so that fsync waits for little."""
+        piece as soon as it is copied, so that fsync waits for little. With
+        ``read_crcs``, ``self.read_crcs`` gets the CRC-32 of every stretch of
+        source bytes copied unchanged (to check the source's own CRCs without
+        reading it again: ``_torchzip.check_deferred``)."""
         if writeback is None:
             writeback = durable()
         totals: dict[str, int] = {}
@@ -215,7 +220,8 @@ class CopyJob:
             used = sorted({c[0] for t in batch for c in t[1]})
             self.table.decode(used)  # compressed chunks: decoded for this batch only
             try:
-                stats = _core.execute(self.sources, self.targets, batch, threads=threads, sync=False, crc_ranges=crc_ranges, writeback=writeback)
+                stats = _core.execute(self.sources, self.targets, batch, threads=threads, sync=False, crc_ranges=crc_ranges, writeback=writeback,
+                                      read_crcs=read_crcs)
             except OSError as exc:
                 raise from_os_error(exc) from None
             except _core.CorruptSourceError as exc:
@@ -225,6 +231,7 @@ class CopyJob:
             # Anything else from the core (InternalError, a ValueError about the
             # arguments) is Ravex's own bug: the CLI reports it as one.
             done += len(batch)
+            self.read_crcs += stats.pop("read_crcs", [])
             for i, crc in enumerate(stats.pop("crcs", [])):
                 if crc is not None and found[i] is None:
                     found[i] = crc

@@ -16,17 +16,23 @@ against its storage (a crafted view would read other memory when gathered),
 and the pickle's size (:func:`~ravex_convert._unpickle.max_pickle_bytes`).
 The CRC-32 the zip records for ``data.pkl`` is checked when it is read (by
 ``zipfile``); those of the storages by :func:`verify_crcs`, which the readers
-call before converting (it reads every byte once more).
+call before converting (it reads every byte once more). A conversion in one
+process defers those checks to its copy (:func:`deferred_crcs`): the executor
+hashes the bytes as it copies them, and only what it did not copy unchanged is
+read again, all before the output is committed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import io
 import os
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -35,7 +41,8 @@ from ._dtypes import DTYPE_SIZES, SCALAR_DTYPES, scalar_value
 from ._unpickle import Record, StorageRef, TensorRef, max_pickle_bytes, restricted_loads
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, from_os_error
 
-__all__ = ["TorchArchive", "check_archive", "crc_enabled", "gather_strided", "is_torch_zip", "open_archive", "storages_at", "verify_crcs"]
+__all__ = ["TorchArchive", "check_archive", "check_deferred", "crc_enabled", "deferred_crcs", "deferring", "gather_strided", "is_torch_zip",
+           "open_archive", "storages_at", "verify_crcs", "verify_many"]
 
 # A strided view (a transpose, an expand) is gathered into memory; one that
 # overlaps itself (stride 0) can be far larger than its storage.
@@ -406,28 +413,118 @@ def verify_crcs(archive: TorchArchive, keys: Iterable[str] | None = None) -> Non
     :class:`CorruptCheckpointError` naming the file and the entry that differs.
 
     Reads every byte of those entries once (in parallel, in Rust: about a
-    second per 10 GB from the page cache). Skipped when ``RAVEX_NO_CRC=1``."""
+    second per 10 GB from the page cache), or, inside :func:`deferred_crcs`,
+    notes them for the copy to check. Skipped when ``RAVEX_NO_CRC=1``."""
     if not crc_enabled():
         return
+    wanted = sorted(archive.storage_offsets) if keys is None else sorted(set(keys))
+    verify_many([(archive, k) for k in wanted])
+
+
+def verify_many(entries: Sequence[tuple[TorchArchive, str]]) -> None:
+    """:func:`verify_crcs` of many archives' storages (one read per file), or noted for the
+    copy inside :func:`deferred_crcs`. Storages without a recorded CRC are skipped."""
+    if not crc_enabled():
+        return
+    entries = [(a, k) for a, k in entries if k in a.storage_crcs]
+    pending = _deferred.get()
+    if pending is not None:
+        pending.extend(entries)
+        return
+    _check(entries, {})
+
+
+# The storages whose CRC-32 a conversion checks from its copy (deferred_crcs), this context's.
+_deferred: contextvars.ContextVar[list[tuple[TorchArchive, str]] | None] = contextvars.ContextVar("ravex_deferred_crcs", default=None)
+
+
+@contextlib.contextmanager
+def deferred_crcs() -> Iterator[None]:
+    """Within the block, the readers' CRC-32 checks wait for the copy: the executor job of
+    the write hashes the bytes it copies unchanged and :func:`check_deferred` (called by
+    ``plan`` after the copy, before any output file is closed) compares them, reading only
+    the bytes the copy did not. What no copy checked (a dry run) is checked, by one read,
+    when the block ends. The guarantee is the one of :func:`verify_crcs`: every storage a
+    checkpoint's chunks point into is checked before an output is committed."""
+    token = _deferred.set([])
+    try:
+        yield
+        check_deferred()
+    finally:
+        _deferred.reset(token)
+
+
+def deferring() -> bool:
+    """Whether CRC-32 checks wait for the copy here (:func:`deferred_crcs`)."""
+    return _deferred.get() is not None
+
+
+def check_deferred(sources: Sequence[object] = (), read: Sequence[tuple[int, int, int, int]] = ()) -> None:
+    """Check every deferred storage now: from ``read`` (the executor's ``read_crcs``:
+    ``(source index, offset, length, crc)`` of bytes it copied unchanged from
+    ``sources[index]``) where they cover it, by reading the rest."""
+    pending = _deferred.get()
+    if not pending:
+        return
+    entries = list(pending)
+    pending.clear()
+    by_index: dict[int, list[tuple[int, int, int]]] = {}
+    for i, off, n, crc in read:
+        by_index.setdefault(i, []).append((off, n, crc))
+    pieces: dict[str, list[tuple[int, int, int]]] = {}
+    for i, got in by_index.items():
+        if i < len(sources) and isinstance(sources[i], str):
+            pieces.setdefault(str(sources[i]), []).extend(got)
+    _check(entries, pieces)
+
+
+def _segments(pieces: list[tuple[int, int, int]], starts: list[int], off: int, n: int) -> list[tuple[int, int, int | None]]:
+    """``[off, off + n)`` as consecutive ``(offset, length, crc)`` stretches: pieces the copy
+    hashed (sorted by offset, longest first), and the gaps between them (crc None)."""
+    end, at = off + n, off
+    out: list[tuple[int, int, int | None]] = []
+    i = bisect_left(starts, off)
+    while i < len(pieces) and pieces[i][0] < end:
+        o, m, crc = pieces[i]
+        i += 1
+        if o < at or o + m > end:
+            continue  # overlaps what is covered, or reaches past the storage
+        if o > at:
+            out.append((at, o - at, None))
+        out.append((o, m, crc))
+        at = o + m
+    if at < end:
+        out.append((at, end - at, None))
+    return out
+
+
+def _check(entries: Sequence[tuple[TorchArchive, str]], pieces: dict[str, list[tuple[int, int, int]]]) -> None:
     from . import _core
 
-    wanted = sorted(archive.storage_offsets) if keys is None else sorted(set(keys))
-    wanted = [k for k in wanted if k in archive.storage_crcs]
-    if not wanted:
-        return
-    ranges = [(archive.storage_offsets[k], archive.storage_sizes[k]) for k in wanted]
-    try:
-        got = _core.checksum_ranges(str(archive.path), ranges, "crc32")
-    except OSError as exc:
-        raise from_os_error(exc, path=archive.path) from None
-    except ValueError:  # a range past the end of the file: truncated since it was opened
-        raise CorruptCheckpointError(f"{archive.where or archive.path}: the file is shorter than its zip directory says", hint="the file is truncated; copy it again", path=archive.path) from None
-    for key, crc in zip(wanted, got):
-        if crc != archive.storage_crcs[key]:
-            raise CorruptCheckpointError(
-                f"{archive.where or archive.path}: the entry {archive.entry_prefix}data/{key} fails its CRC-32 check "
-                f"(recorded {archive.storage_crcs[key]:08x}, the bytes give {crc:08x}): its data changed after it was written",
-                hint="the file is damaged (bit rot, a bad copy or disk); copy it again from where the run saved it. "
-                "RAVEX_NO_CRC=1 skips this check",
-                path=archive.path,
-            )
+    per_file: dict[str, list[tuple[TorchArchive, str]]] = {}
+    for a, k in entries:
+        per_file.setdefault(str(a.path), []).append((a, k))
+    for path, es in per_file.items():
+        known = sorted(pieces.get(path, []), key=lambda p: (p[0], -p[1]))
+        starts = [p[0] for p in known]
+        segs = [_segments(known, starts, a.storage_offsets[k], a.storage_sizes[k]) for a, k in es]
+        gaps = [(o, m) for ss in segs for o, m, crc in ss if crc is None]
+        try:
+            read = iter(_core.checksum_ranges(path, gaps, "crc32") if gaps else [])
+        except OSError as exc:
+            raise from_os_error(exc, path=es[0][0].path) from None
+        except ValueError:  # a range past the end of the file: truncated since it was opened
+            size = os.path.getsize(path) if os.path.exists(path) else 0
+            a = next((a for a, k in es if a.storage_offsets[k] + a.storage_sizes[k] > size), es[0][0])
+            raise CorruptCheckpointError(f"{a.where or a.path}: the file is shorter than its zip directory says",
+                                         hint="the file is truncated; copy it again", path=a.path) from None
+        for (a, k), ss in zip(es, segs, strict=True):
+            crc = _core.crc32_concat([(c if c is not None else next(read), m) for _, m, c in ss])
+            if crc != a.storage_crcs[k]:
+                raise CorruptCheckpointError(
+                    f"{a.where or a.path}: the entry {a.entry_prefix}data/{k} fails its CRC-32 check "
+                    f"(recorded {a.storage_crcs[k]:08x}, the bytes give {crc:08x}): its data changed after it was written",
+                    hint="the file is damaged (bit rot, a bad copy or disk); copy it again from where the run saved it. "
+                    "RAVEX_NO_CRC=1 skips this check",
+                    path=a.path,
+                )

@@ -7,6 +7,7 @@ the target layout and the Rust executor moves the bytes once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +20,7 @@ from ._dist import Solo, current, spread
 from ._engine import SourceTable, chunk_bytes, read_many
 from ._limits import MAX_EXPANSION_ENV, max_expansion
 from ._output import Options, durability, out_dtype, select
+from ._torchzip import deferred_crcs
 from .detect import detect, inspect, read_checkpoint
 from .errors import CorruptCheckpointError, LayoutMismatchError, RavexError
 from .formats import native, registry
@@ -143,39 +145,42 @@ def convert(
     opts = Options(weights_only=weights_only or to == "safetensors", dtype=dtype, strip_prefix=list(strip_prefix), force=force,
                    max_shard_size=max_shard_size, compression=None if compression in (None, "none") else compression, world_size=world_size)
     t0 = time.perf_counter()
-    ckpt = read_checkpoint(src, tag=tag, index=index, param_names=param_names)
-    if not opts.weights_only and "optimizer_error" in ckpt.source:
-        raise ckpt.source["optimizer_error"]
-    if ties:
-        apply_ties(ckpt, ties)
-    out = select(ckpt, opts)
-    if materialize_ties:
-        made = materialize_ties_in(out)
-        chosen.append(f"tied names written as tensors of their own: {', '.join(made)}" if made else "--materialize-ties: the checkpoint has no tied names")
-    _bounded(ckpt, out, opts, src)
-    _param_groups(out, to, opts, hyperparameters)
-    if ckpt.format == "native" and not dry_run:
-        # the store's checksums are checked before any byte is used (docs/format.md section 12)
-        native.verify_chunks(ckpt, [n for n in ckpt.tensors if not opts.weights_only or n.startswith(MODEL)])
-    dropped = left_out(src, ckpt, opts, to)
-    notes = chosen + list(ckpt.notes) + [_drop_note(d) for d in dropped]
-    dst = Path(dst)
-    if dry_run:
-        try:
-            summary = plan(out, opts)
-        except _core.CorruptSourceError as exc:
-            raise CorruptCheckpointError(f"{exc.path or src}: the file does not hold what the checkpoint's metadata says ({str(exc).split(chr(10))[0]})",
-                                         hint="a file is truncated or damaged; copy the checkpoint again", path=exc.path or src) from None
-        summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "left_out": dropped})
-        return summary
-    # Only when asked (the CLI asks): a script under torchrun that converts on rank 0 alone
-    # must not wait for ranks that never call convert.
-    with durability(sync), spread(current() if distributed else Solo()):
-        result = _write(out, dst, to, opts, progress, zero_stage=zero_stage, precision=precision, buffers=buffers,
-                        hyperparameters=hyperparameters, metadata_form=metadata_form, layout=layout)
-    result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
-                   "left_out": dropped, "seconds": time.perf_counter() - t0, "synced": sync})
-    return result
+    # In one process the sources' CRC-32s are checked from the copy's own reads (the data is read
+    # once, not twice); under torchrun each rank copies a share, and the readers check as they read.
+    with contextlib.nullcontext() if distributed and current().size > 1 else deferred_crcs():
+        ckpt = read_checkpoint(src, tag=tag, index=index, param_names=param_names)
+        if not opts.weights_only and "optimizer_error" in ckpt.source:
+            raise ckpt.source["optimizer_error"]
+        if ties:
+            apply_ties(ckpt, ties)
+        out = select(ckpt, opts)
+        if materialize_ties:
+            made = materialize_ties_in(out)
+            chosen.append(f"tied names written as tensors of their own: {', '.join(made)}" if made else "--materialize-ties: the checkpoint has no tied names")
+        _bounded(ckpt, out, opts, src)
+        _param_groups(out, to, opts, hyperparameters)
+        if ckpt.format == "native" and not dry_run:
+            # the store's checksums are checked before any byte is used (docs/format.md section 12)
+            native.verify_chunks(ckpt, [n for n in ckpt.tensors if not opts.weights_only or n.startswith(MODEL)])
+        dropped = left_out(src, ckpt, opts, to)
+        notes = chosen + list(ckpt.notes) + [_drop_note(d) for d in dropped]
+        dst = Path(dst)
+        if dry_run:
+            try:
+                summary = plan(out, opts)
+            except _core.CorruptSourceError as exc:
+                raise CorruptCheckpointError(f"{exc.path or src}: the file does not hold what the checkpoint's metadata says ({str(exc).split(chr(10))[0]})",
+                                             hint="a file is truncated or damaged; copy the checkpoint again", path=exc.path or src) from None
+            summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "left_out": dropped})
+            return summary
+        # Only when asked (the CLI asks): a script under torchrun that converts on rank 0 alone
+        # must not wait for ranks that never call convert.
+        with durability(sync), spread(current() if distributed else Solo()):
+            result = _write(out, dst, to, opts, progress, zero_stage=zero_stage, precision=precision, buffers=buffers,
+                            hyperparameters=hyperparameters, metadata_form=metadata_form, layout=layout)
+        result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
+                       "left_out": dropped, "seconds": time.perf_counter() - t0, "synced": sync})
+        return result
 
 
 def _bounded(ckpt: Checkpoint, out: Checkpoint, opts: Options, src: str | Path) -> None:

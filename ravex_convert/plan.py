@@ -25,6 +25,7 @@ from typing import Any
 
 from ._dist import ambient, local_size
 from ._engine import CopyJob, Target
+from ._torchzip import check_deferred, deferring
 from .errors import RavexError, from_os_error
 from .model import LogicalTensor, Region
 from .storage import resolve
@@ -129,7 +130,10 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, thre
             for offset, data in f.small:
                 sink.pwrite(data, offset)
         job, crc_ranges = copy_job(mine, [s.path for s in sinks])
-        job.run(progress=progress, sync=False, threads=threads, crc_ranges=crc_ranges or None)
+        deferred = deferring()  # a conversion: the sources' CRC-32s are checked from this copy's reads
+        job.run(progress=progress, sync=False, threads=threads, crc_ranges=crc_ranges or None, read_crcs=deferred)
+        if deferred:
+            check_deferred(job.sources, job.read_crcs)  # raises before any file is closed: nothing is committed
         at = 0
         for f, sink in zip(mine, sinks):
             crcs = job.crcs[at:at + len(f.crc_ranges)]

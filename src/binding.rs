@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::checksum::{checksum_ranges as checksum_ranges_impl, xxh3_64_bytes, Algo};
 use crate::compare::{compare as compare_impl, Tolerance};
@@ -454,10 +454,14 @@ const _: () = assert!(DEFAULT_WINDOW_BYTES == 67108864);
 /// `crc_ranges` (`(target index, offset, length)` tuples) it also returns
 /// `crcs`: the CRC-32 of each range, gathered while copying (None where the
 /// job's writes do not tile the range), so zip writers need no second pass.
+/// With `read_crcs` it also returns `read_crcs`: `(source index, offset,
+/// length, crc)` of every stretch of source bytes copied unchanged (a cast's
+/// are not), so a reader's CRC-32s of its sources are checked without a
+/// second read (combine them with `crc32_concat`).
 /// `writeback` starts each piece's write-back to disk as soon as it is
 /// written, for callers that fsync the targets afterwards themselves.
 #[pyfunction]
-#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true, crc_ranges=None, writeback=false))]
+#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true, crc_ranges=None, writeback=false, read_crcs=false))]
 #[allow(clippy::too_many_arguments)]
 fn execute<'py>(
     py: Python<'py>,
@@ -469,6 +473,7 @@ fn execute<'py>(
     sync: bool,
     crc_ranges: Option<&Bound<'py, PyAny>>,
     writeback: bool,
+    read_crcs: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = Options {
         threads: checked(threads, "threads")? as usize,
@@ -485,39 +490,60 @@ fn execute<'py>(
         targets: targets_arg(&outs, &held_outs)?,
         tensors: tensors_arg(tensors)?,
     };
-    let Some(crc_ranges) = crc_ranges else {
+    if crc_ranges.is_none() && !read_crcs {
         let stats = py
             .detach(|| exec::execute(&job, &options))
             .map_err(py_err)?;
         return stats_dict(py, &stats);
-    };
-    let ranges = list(crc_ranges, "crc_ranges", "(target, offset, length) tuples")?
-        .iter()
-        .enumerate()
-        .map(|(i, x)| {
-            let (t, o, l): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
-                x.extract().map_err(|_| {
-                    PyValueError::new_err(format!(
-                        "crc_ranges[{i}] must be a (target, offset, length) tuple, got {}",
-                        show(x)
-                    ))
-                })?;
-            Ok((
-                index_arg(&t, &format!("crc_ranges[{i}] target"))?,
-                non_negative_int(&o, &format!("crc_ranges[{i}] offset"))?,
-                non_negative_int(&l, &format!("crc_ranges[{i}] length"))?,
-            ))
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let (stats, crcs) = py
+    }
+    let empty = PyList::empty(py);
+    let ranges = list(
+        crc_ranges.unwrap_or(empty.as_any()),
+        "crc_ranges",
+        "(target, offset, length) tuples",
+    )?
+    .iter()
+    .enumerate()
+    .map(|(i, x)| {
+        let (t, o, l): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
+            x.extract().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "crc_ranges[{i}] must be a (target, offset, length) tuple, got {}",
+                    show(x)
+                ))
+            })?;
+        Ok((
+            index_arg(&t, &format!("crc_ranges[{i}] target"))?,
+            non_negative_int(&o, &format!("crc_ranges[{i}] offset"))?,
+            non_negative_int(&l, &format!("crc_ranges[{i}] length"))?,
+        ))
+    })
+    .collect::<PyResult<Vec<_>>>()?;
+    let (stats, crcs, read) = py
         .detach(|| {
-            exec::execute_with_crcs(&job, &options)
-                .map(|(stats, pieces)| (stats, exec::combine_crcs(pieces, &ranges)))
+            exec::execute_with_crcs(&job, &options).map(|(stats, pieces)| {
+                let read: Vec<(usize, u64, u64, u32)> = pieces
+                    .iter()
+                    .filter_map(|p| p.read.map(|(src, at)| (src, at, p.len, p.crc)))
+                    .collect();
+                (stats, exec::combine_crcs(pieces, &ranges), read)
+            })
         })
         .map_err(py_err)?;
     let dict = stats_dict(py, &stats)?;
-    dict.set_item("crcs", crcs)?;
+    if crc_ranges.is_some() {
+        dict.set_item("crcs", crcs)?;
+    }
+    if read_crcs {
+        dict.set_item("read_crcs", read)?;
+    }
     Ok(dict)
+}
+
+/// The CRC-32 of byte strings one after another, from each one's `(crc, length)`.
+#[pyfunction]
+fn crc32_concat(parts: Vec<(u32, u64)>) -> u32 {
+    exec::crc32_concat(&parts)
 }
 
 /// What `execute` would do with the same arguments, without moving a byte:
@@ -915,6 +941,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(execute, m)?)?;
     m.add_function(wrap_pyfunction!(plan_summary, m)?)?;
     m.add_function(wrap_pyfunction!(checksum_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32_concat, m)?)?;
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
     m.add_function(wrap_pyfunction!(compress_range, m)?)?;
     m.add_function(wrap_pyfunction!(decompress_frame, m)?)?;

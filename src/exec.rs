@@ -389,12 +389,17 @@ pub fn execute(job: &Job<'_>, options: &Options) -> Result<Stats, Error> {
 }
 
 /// The CRC-32 of bytes one piece wrote: `len` bytes at `offset` of `target`.
+/// `read`: where those bytes came from, `(source, offset)`, when the piece
+/// copied them unchanged (same dtype): the CRC is then also that of the
+/// `len` source bytes there, so a reader's checksums of the source can be
+/// checked without reading it again (`None` for a cast).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WrittenCrc {
     pub target: usize,
     pub offset: u64,
     pub len: u64,
     pub crc: u32,
+    pub read: Option<(usize, u64)>,
 }
 
 /// [`execute`], also returning the CRC-32 of every piece written, so a zip
@@ -436,6 +441,15 @@ pub fn combine_crcs(mut pieces: Vec<WrittenCrc>, ranges: &[(usize, u64, u64)]) -
             Some(hasher.finalize())
         })
         .collect()
+}
+
+/// The CRC-32 of bytes `(crc, len)` after one another (zlib's crc32_combine).
+pub fn crc32_concat(parts: &[(u32, u64)]) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    for &(crc, len) in parts {
+        hasher.combine(&crc32fast::Hasher::new_with_initial_len(crc, len));
+    }
+    hasher.finalize()
 }
 
 /// How many tensors' pieces are planned, put in target order and shared out
@@ -621,6 +635,7 @@ fn run_piece(
                 offset: p.dst_off,
                 len: p.dst_bytes(),
                 crc,
+                read: (p.from == p.to).then_some((p.src, p.src_off)),
             };
             crcs.lock().unwrap_or_else(|e| e.into_inner()).push(crc);
         }

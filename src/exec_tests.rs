@@ -507,6 +507,7 @@ fn crcs_of_ranges_not_tiled_are_none() {
         offset,
         len: data.len() as u64,
         crc: crc32fast::hash(data),
+        read: None,
     };
     let pieces = vec![piece(8, b"efgh"), piece(0, b"abcd")];
     assert_eq!(combine_crcs(pieces.clone(), &[(0, 0, 8)]), vec![None]); // a gap at 4..8
@@ -589,6 +590,18 @@ fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
             assert!(out[..at].iter().all(|&b| b == SENTINEL), "{dst_off}");
             assert_eq!(&out[at..end], &want[..], "{dst_off}");
             assert!(out[end..].iter().all(|&b| b == SENTINEL), "{dst_off}");
+            // an unchanged copy says where its bytes came from; a cast does not
+            for p in &pieces {
+                match p.read {
+                    Some((src, at)) => {
+                        assert!(to == DType::F32 && src == 0, "{dst_off}");
+                        let from = (at - src_off) as usize;
+                        assert_eq!(p.crc, crc32fast::hash(&data[from..from + p.len as usize]));
+                        assert_eq!(at - src_off, p.offset - dst_off);
+                    }
+                    None => assert_eq!(to, DType::BF16, "{dst_off}"),
+                }
+            }
             assert_eq!(
                 combine_crcs(pieces, &[(0, dst_off, len)]),
                 vec![Some(crc32fast::hash(want))],
@@ -596,6 +609,15 @@ fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
             );
         }
     }
+}
+
+#[test]
+fn crc32_concat_is_the_crc_of_the_bytes_one_after_another() {
+    use crate::exec::crc32_concat;
+    let (a, b, c): (&[u8], &[u8], &[u8]) = (b"abc", b"", b"defgh");
+    let parts = [a, b, c].map(|d| (crc32fast::hash(d), d.len() as u64));
+    assert_eq!(crc32_concat(&parts), crc32fast::hash(b"abcdefgh"));
+    assert_eq!(crc32_concat(&[]), 0);
 }
 
 proptest! {

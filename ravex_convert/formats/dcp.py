@@ -32,7 +32,7 @@ from .._dtypes import DTYPE_SIZES
 from .._layout import SOURCE_KEY, PathItem, StateLayout, layout_of, regroup, unflatten
 from .._limits import MAX_CHUNKS_PER_TENSOR_ENV, max_chunks_per_tensor
 from .._paths import inside
-from .._torchzip import TorchArchive, crc_enabled, open_archive, verify_crcs
+from .._torchzip import TorchArchive, open_archive, verify_many
 from .._unpickle import Record, TensorRef, restricted_loads
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
@@ -564,25 +564,9 @@ def read(path: Path) -> Checkpoint:
 def _check_crcs(archives: list[TorchArchive]) -> None:
     """Each tensor item's bytes against the CRC-32 its zip directory records
     (torch.save writes one per entry; the pickles were checked as they were read):
-    one pass over the data, batched per file, before a byte is used. A flipped bit
-    is then a clear error, not a silently different checkpoint. RAVEX_NO_CRC=1 skips it."""
-    if not crc_enabled():
-        return
-    from .. import _core
-
-    per_file: dict[Path, list[tuple[TorchArchive, str]]] = {}
-    for a in archives:
-        for k in a.storage_offsets:
-            if k in a.storage_crcs:
-                per_file.setdefault(a.path, []).append((a, k))
-    for path, entries in per_file.items():
-        got: list[int | None]
-        try:
-            got = list(_core.checksum_ranges(str(path), [(a.storage_offsets[k], a.storage_sizes[k]) for a, k in entries], "crc32"))
-        except (OSError, ValueError):
-            got = [None] * len(entries)  # verify_crcs below says what is wrong, for the first item
-        for (a, k), crc in zip(entries, got, strict=True):
-            if crc != a.storage_crcs[k]:
-                verify_crcs(a, [k])  # raises, naming the file, the item and the entry
+    one pass over the data, batched per file, before a byte is used (or, in a
+    conversion, from the copy's own reads: ``verify_many``). A flipped bit is then
+    a clear error, not a silently different checkpoint. RAVEX_NO_CRC=1 skips it."""
+    verify_many([(a, k) for a in archives for k in a.storage_offsets])
 
 
