@@ -51,8 +51,7 @@ def make_input(path: str, gb: float) -> int:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for i in range(n):
-            for j in range(TENSOR_BYTES // len(block)):
-                f.write(struct.pack("<QQ", i, j) + block[16:])  # each block differs in its first bytes
+            f.writelines(struct.pack("<QQ", i, j) + block[16:] for j in range(TENSOR_BYTES // len(block)))  # each block differs in its first bytes
     os.sync()
     return os.path.getsize(path)
 
@@ -116,9 +115,9 @@ def render(res: dict) -> str:
         "",
         f"Machine: {res['machine'].get('cpu', '?')}; memory and disk as in docs/benchmarks.md. Ravex `{res['versions'].get('ravex', '?')}`.",
         "",
-        "Input: one synthetic safetensors file of fp32 tensors of 256 MiB (random bytes), converted to one torch.save "
+        ("Input: one synthetic safetensors file of fp32 tensors of 256 MiB (random bytes), converted to one torch.save "
         "archive (the executor copies every byte and computes each entry's CRC-32). Warm page cache; "
-        f"{res['runs']} timed runs per command, round-robin; median [min-max]. Rate = input bytes / wall.",
+        f"{res['runs']} timed runs per command, round-robin; median [min-max]. Rate = input bytes / wall."),
         "",
         "| size | command | wall | rate | ÷ its cp floor | CPU (user+sys) | peak RssAnon |",
         "|---|---|---|---|---|---|---|",
