@@ -78,7 +78,8 @@ class WritePlan:
     threads: int = 0
     staging: str | None = None  # the name the output is built under, where a format's spec fixes it (native)
     # Run by the coordinator once the output is published (native: the manifest, the
-    # store's commit point); it undoes the publication itself if it fails.
+    # store's commit point); it undoes the publication itself if it fails (run does not
+    # abort a published output: on a backend without rename that would delete it).
     after: Callable[[dict[str, Any]], None] | None = None
 
 
@@ -208,17 +209,21 @@ def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, 
         if failed:
             out.abort()
         else:
+            published = False
             try:
                 out.publish(plan.commit(sealed) if callable(plan.commit) else plan.commit)
+                published = True
                 if plan.after is not None:
                     plan.after(sealed)
                 committed = "ok"
             except OSError as exc:
-                out.abort()
+                if not published:  # once published, the output is not this call's to remove: `after` undoes its own part
+                    out.abort()
                 failure = from_os_error(exc, path=Path(key), writing=True)
                 committed = (failure.message, failure.hint)
             except BaseException as exc:  # every rank must hear of it before anyone commits
-                out.abort()
+                if not published:
+                    out.abort()
                 if group.size == 1:
                     raise
                 committed = (f"{type(exc).__name__}: {exc}", None)

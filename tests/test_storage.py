@@ -187,3 +187,21 @@ def test_a_forked_child_never_releases_its_parent_s_lease(tmp_path: Path) -> Non
     assert st.exists("s/lock")
     lease.__exit__(None, None, None)
     assert not st.exists("s/lock")
+
+
+@pytest.mark.parametrize("backend", ["local", "objdir"])
+def test_a_failing_after_step_leaves_the_published_output_alone(tmp_path: Path, backend: str) -> None:
+    # `after` runs once the output is published (native: the manifest's commit); plan.run must not
+    # abort it then: on object storage that would delete the objects of a committed output.
+    from ravex_convert.plan import OutFile, WritePlan, run
+
+    def after(sealed: dict[str, object]) -> None:
+        raise OSError(5, "Input/output error")
+
+    (tmp_path / "b").mkdir()
+    dst = tmp_path / "b" / "out" if backend == "local" else f"objdir:{tmp_path}/b/out"
+    plan = WritePlan(True, [OutFile("a.bin", 4, small=[(0, b"abcd")])], [("index.json", b"{}")], after=after)
+    with pytest.raises(RavexError, match="Input/output error"):
+        run(plan, dst, force=False)
+    assert (tmp_path / "b" / "out" / "a.bin").read_bytes() == b"abcd"
+    assert (tmp_path / "b" / "out" / "index.json").read_bytes() == b"{}"

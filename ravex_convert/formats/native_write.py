@@ -475,9 +475,8 @@ def _commit(ckpt: Checkpoint, w: Where, opts: Options, run_id: str, outs: list[_
                     with contextlib.suppress(OSError):
                         (w.path / f"{MANIFEST}.tmp-{run_id}").unlink()
             elif not w.posix:
-                # The put landed and then something failed: the checkpoint is committed. Raising
-                # would make plan.run abort the output, which on a backend without rename means
-                # deleting the objects of a listed checkpoint.
+                # The put landed and then something failed: the checkpoint is committed (the
+                # manifest lists it), and its objects stay.
                 return
             raise
 
