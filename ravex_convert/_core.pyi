@@ -119,12 +119,15 @@ def execute(
     crc_ranges: Sequence[tuple[int, int, int]] | None = None,
     writeback: bool = False,
     read_crcs: bool = False,
+    direct: bool = False,
 ) -> dict[str, Any]:
     """Copy every target chunk's elements from the source chunks.
 
     With ``crc_ranges`` (``(target index, offset, length)``), the result also
     has ``crcs``: each range's CRC-32 combined from the pieces written (None
-    where this call's writes do not tile the range). With ``read_crcs``, also
+    where this call's writes do not tile the range), and ``crc_parts``:
+    ``(range index, offset, length, crc)`` of every piece written inside a
+    range left None, for a caller that joins ranges across calls. With ``read_crcs``, also
     ``read_crcs``: ``(source index, offset, length, crc)`` of each stretch of
     source bytes copied unchanged (a cast's are left out), to check a source's
     own CRC-32s without reading it again (:func:`crc32_concat` joins them).
@@ -150,7 +153,14 @@ def execute(
     is written (Linux ``sync_file_range``), so a caller's later fsync waits
     for little: the disk works while the copy goes on.
 
-    Returns ``{"bytes_read", "bytes_written", "runs", "pieces"}``.
+    With ``direct``, the whole pages of file targets are written around the
+    page cache (Linux ``O_DIRECT``, from a 1 MiB step buffer per thread), the
+    partial pages at a piece's ends through it; a file system that refuses
+    either gets the bytes through the page cache. For durable output.
+
+    Returns ``{"bytes_read", "bytes_written", "runs", "pieces",
+    "direct_bytes"}`` (``direct_bytes``: of the bytes written, those written
+    around the page cache).
     """
 
 def plan_summary(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _core
-from ._output import durable, fsync_dir
+from ._output import direct_io, durable, fsync_dir
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
 
@@ -193,7 +193,7 @@ class CopyJob:
 
     def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20,
             crc_ranges: list[tuple[int, int, int]] | None = None, threads: int = 0, writeback: bool | None = None,
-            read_crcs: bool = False) -> dict[str, int]:
+            read_crcs: bool = False, direct: bool | None = None) -> dict[str, int]:
         """Execute in batches of about ``batch_bytes`` so a progress bar can move:
         ``progress(n)`` after each batch, with the bytes it wrote, and first
         ``progress.add_total(bytes)`` where ``progress`` has that method.
@@ -204,11 +204,17 @@ class CopyJob:
         piece as soon as it is copied, so that fsync waits for little. With
         ``read_crcs``, ``self.read_crcs`` gets the CRC-32 of every stretch of
         source bytes copied unchanged (to check the source's own CRCs without
-        reading it again: ``_torchzip.check_deferred``)."""
+        reading it again: ``_torchzip.check_deferred``). With ``direct`` (the
+        default where the output is durable, unless ``RAVEX_DIRECT_IO=0``) the
+        whole pages of file targets are written around the page cache; pass
+        False for files that are read back before they are closed."""
         if writeback is None:
             writeback = durable()
+        if direct is None:
+            direct = writeback and direct_io()
         totals: dict[str, int] = {}
         found: list[int | None] = [None] * len(crc_ranges or [])
+        parts: dict[int, list[tuple[int, int, int]]] = {}  # range -> pieces written in it, from every batch
         batch: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = []
         size = 0
         done = 0  # tensors executed before this batch
@@ -221,7 +227,7 @@ class CopyJob:
             self.table.decode(used)  # compressed chunks: decoded for this batch only
             try:
                 stats = _core.execute(self.sources, self.targets, batch, threads=threads, sync=False, crc_ranges=crc_ranges, writeback=writeback,
-                                      read_crcs=read_crcs)
+                                      read_crcs=read_crcs, direct=direct)
             except OSError as exc:
                 raise from_os_error(exc) from None
             except _core.CorruptSourceError as exc:
@@ -235,6 +241,8 @@ class CopyJob:
             for i, crc in enumerate(stats.pop("crcs", [])):
                 if crc is not None and found[i] is None:
                     found[i] = crc
+            for i, offset, n, crc in stats.pop("crc_parts", []):
+                parts.setdefault(i, []).append((offset, n, crc))
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0) + int(v)
             if progress is not None:
@@ -252,6 +260,7 @@ class CopyJob:
                 flush()
         flush()
         if crc_ranges:
+            _join_parts(crc_ranges, found, parts)
             self.crcs = self._complete_crcs(crc_ranges, found)
         if sync:
             for path in self.targets:
@@ -288,6 +297,24 @@ class CopyJob:
             for i, v in zip(idx, values):
                 found[i] = v
         return [int(c) for c in found if c is not None]
+
+
+def _join_parts(ranges: list[tuple[int, int, int]], found: list[int | None], parts: dict[int, list[tuple[int, int, int]]]) -> None:
+    """A range no batch tiled on its own gets its CRC-32 from the pieces every batch wrote in it,
+    where together they tile it (one stretch after another, no gap); else it stays None and is
+    read back."""
+    for i, ps in parts.items():
+        if found[i] is not None:
+            continue
+        _, at, length = ranges[i]
+        end, joined = at + length, []
+        for offset, n, crc in sorted(ps):
+            if offset != at:
+                break
+            joined.append((crc, n))
+            at += n
+        if at == end:
+            found[i] = _core.crc32_concat(joined)
 
 
 def read_into(tensor: LogicalTensor, out: bytearray | memoryview, dtype: str | None = None, *, threads: int = 0) -> None:

@@ -132,7 +132,12 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, thre
                 sink.pwrite(data, offset)
         job, crc_ranges = copy_job(mine, [s.path for s in sinks])
         deferred = deferring()  # a conversion: the sources' CRC-32s are checked from this copy's reads
-        job.run(progress=progress, sync=False, threads=threads, crc_ranges=crc_ranges or None, read_crcs=deferred)
+        # Durable files go around the page cache (O_DIRECT), but not where the copy is read back
+        # before its sink closes (a seal: the native store's xxh3 sums, compression; a spool
+        # uploaded on close): those bytes are wanted in memory.
+        hot = any(f.seal is not None or f.scratch for f in mine) or not all(s.direct for s in sinks)
+        job.run(progress=progress, sync=False, threads=threads, crc_ranges=crc_ranges or None, read_crcs=deferred,
+                direct=False if hot else None)
         if deferred:
             check_deferred(job.sources, job.read_crcs)  # raises before any file is closed: nothing is committed
         at = 0

@@ -63,9 +63,13 @@ _CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd")
             "sharded_checkpoints": ("gather", "per_rank")}
 _LATER_STORAGE = ("s3", "r2")
 _ENV = {"RAVEX_" + k.upper().replace(".", "_"): k for k in [*_KEYS, *_LATER]}
-# not settings, but Ravex's own: the on/off switch, the set-up scripts' venv path, and the storage
-# switch of the test suite (RAVEX_STORAGE=objdir: every plain path through the objdir backend)
-_ENV_OTHER = {"RAVEX_ENABLED", "RAVEX_VENV", "RAVEX_STORAGE"}
+# not settings, but Ravex's own: the on/off switch, the set-up scripts' venv path, the storage
+# switch of the test suite (RAVEX_STORAGE=objdir: every plain path through the objdir backend),
+# and the converter's switches and limits, which a run reading checkpoints obeys too (an error's
+# hint may tell a user to set one)
+_ENV_OTHER = {"RAVEX_ENABLED", "RAVEX_VENV", "RAVEX_STORAGE", "RAVEX_DEBUG", "RAVEX_NO_CRC", "RAVEX_DIRECT_IO",
+              "RAVEX_MAX_PICKLE_BYTES", "RAVEX_MAX_PICKLE_OBJECTS", "RAVEX_MAX_JSON_DEPTH", "RAVEX_MAX_CHUNKS_PER_TENSOR",
+              "RAVEX_MAX_EXPANSION"}
 _OBJDIR = "objdir:"
 
 

@@ -432,6 +432,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
     d.set_item("bytes_written", s.bytes_written)?;
     d.set_item("runs", s.runs)?;
     d.set_item("pieces", s.pieces)?;
+    d.set_item("direct_bytes", s.direct_bytes)?;
     Ok(d)
 }
 
@@ -453,15 +454,19 @@ const _: () = assert!(DEFAULT_WINDOW_BYTES == 67108864);
 /// `pieces`. Everything is validated before the first byte moves. With
 /// `crc_ranges` (`(target index, offset, length)` tuples) it also returns
 /// `crcs`: the CRC-32 of each range, gathered while copying (None where the
-/// job's writes do not tile the range), so zip writers need no second pass.
+/// job's writes do not tile the range), so zip writers need no second pass,
+/// and `crc_parts`: `(range index, offset, length, crc)` of the pieces written
+/// inside each range left None, to be joined with other calls' (`crc32_concat`).
 /// With `read_crcs` it also returns `read_crcs`: `(source index, offset,
 /// length, crc)` of every stretch of source bytes copied unchanged (a cast's
 /// are not), so a reader's CRC-32s of its sources are checked without a
 /// second read (combine them with `crc32_concat`).
 /// `writeback` starts each piece's write-back to disk as soon as it is
 /// written, for callers that fsync the targets afterwards themselves.
+/// `direct` writes the whole pages of file targets around the page cache
+/// (`O_DIRECT`, where the file system allows it), for durable output.
 #[pyfunction]
-#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true, crc_ranges=None, writeback=false, read_crcs=false))]
+#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true, crc_ranges=None, writeback=false, read_crcs=false, direct=false))]
 #[allow(clippy::too_many_arguments)]
 fn execute<'py>(
     py: Python<'py>,
@@ -474,12 +479,14 @@ fn execute<'py>(
     crc_ranges: Option<&Bound<'py, PyAny>>,
     writeback: bool,
     read_crcs: bool,
+    direct: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = Options {
         threads: checked(threads, "threads")? as usize,
         window_bytes: checked(window_bytes, "window_bytes")?,
         sync,
         writeback,
+        direct,
     };
     let items = list(sources, "sources", "paths or bytes")?;
     let held = held_buffers(&items)?;
@@ -519,20 +526,23 @@ fn execute<'py>(
         ))
     })
     .collect::<PyResult<Vec<_>>>()?;
-    let (stats, crcs, read) = py
+    let (stats, crcs, parts, read) = py
         .detach(|| {
             exec::execute_with_crcs(&job, &options).map(|(stats, pieces)| {
                 let read: Vec<(usize, u64, u64, u32)> = pieces
                     .iter()
                     .filter_map(|p| p.read.map(|(src, at)| (src, at, p.len, p.crc)))
                     .collect();
-                (stats, exec::combine_crcs(pieces, &ranges), read)
+                let crcs = exec::combine_crcs(pieces.clone(), &ranges);
+                let parts = exec::untiled_parts(pieces, &ranges, &crcs);
+                (stats, crcs, parts, read)
             })
         })
         .map_err(py_err)?;
     let dict = stats_dict(py, &stats)?;
     if crc_ranges.is_some() {
         dict.set_item("crcs", crcs)?;
+        dict.set_item("crc_parts", parts)?;
     }
     if read_crcs {
         dict.set_item("read_crcs", read)?;
@@ -565,6 +575,7 @@ fn plan_summary<'py>(
         window_bytes: checked(window_bytes, "window_bytes")?,
         sync: false,
         writeback: false,
+        direct: false,
     };
     let items = list(sources, "sources", "paths or bytes")?;
     let held = held_buffers(&items)?;

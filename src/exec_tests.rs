@@ -131,6 +131,7 @@ fn options(threads: usize, window_bytes: u64) -> Options {
         window_bytes,
         sync: false,
         writeback: false,
+        direct: false,
     }
 }
 
@@ -417,11 +418,13 @@ proptest! {
         prop_assert_eq!(summary.per_target_bytes, per_target);
 
         // Deterministic: the same pieces again, and the same bytes with any
-        // number of threads.
+        // number of threads, written direct (whole pages around the page
+        // cache) as through it.
         prop_assert_eq!(build_pieces(&job, sizes, window, threads).unwrap(), (pieces, runs));
         let b2 = blank(dir.path(), "again", &c.b_sizes);
         let job2 = one_tensor(paths(&a_files), b2.clone(), &c.shape, &c.a, &c.b);
-        let again = execute(&job2, &options(4 - threads, window)).unwrap();
+        let direct = Options { direct: true, ..options(4 - threads, window) };
+        let again = execute(&job2, &direct).unwrap();
         prop_assert_eq!((again.bytes_read, again.bytes_written, again.runs), (stats.bytes_read, stats.bytes_written, stats.runs));
         prop_assert_eq!(read_all(&b2), read_all(&b_files));
 
@@ -580,11 +583,22 @@ fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
                     dst_chunks: vec![chunk(0, dst_off, to)],
                 }],
             };
+            // direct writes where the early write-back is off, so every
+            // offset here runs both ways
             let opts = Options {
                 writeback,
+                direct: !writeback,
                 ..options(2, 256 << 10)
             };
-            let (_, pieces) = execute_with_crcs(&job, &opts).unwrap();
+            let (stats, pieces) = execute_with_crcs(&job, &opts).unwrap();
+            if opts.direct && direct_works(dir.path()) {
+                // all but each piece's partial end pages go direct
+                let ends = 2 * 4096 * stats.pieces;
+                assert!(stats.direct_bytes > 0, "{dst_off}: {stats:?}");
+                assert!(stats.direct_bytes + ends >= len, "{dst_off}: {stats:?}");
+            } else {
+                assert_eq!(stats.direct_bytes, 0);
+            }
             let out = fs::read(&targets[0]).unwrap();
             let (at, end) = (dst_off as usize, (dst_off + len) as usize);
             assert!(out[..at].iter().all(|&b| b == SENTINEL), "{dst_off}");
@@ -609,6 +623,73 @@ fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
             );
         }
     }
+}
+
+/// Whether the file system of `dir` takes an aligned O_DIRECT write (ext4
+/// does; tmpfs on older kernels does not).
+fn direct_works(dir: &Path) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        let path = dir.join("direct-probe");
+        let Ok(file) = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+        else {
+            return false;
+        };
+        let buf = vec![0u8; 3 * 4096];
+        let at = buf.as_ptr().align_offset(4096);
+        let ok = file.write_all_at(&buf[at..at + 4096], 0).is_ok();
+        let _ = fs::remove_file(&path);
+        ok
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = dir;
+        false
+    }
+}
+
+#[test]
+fn untiled_parts_gives_the_pieces_inside_each_range_left_without_a_crc() {
+    use crate::exec::{combine_crcs, crc32_concat, untiled_parts, WrittenCrc};
+    let data: Vec<u8> = (0..100u8).collect();
+    let piece = |target, offset: u64, len: u64| WrittenCrc {
+        target,
+        offset,
+        len,
+        crc: crc32fast::hash(&data[offset as usize..(offset + len) as usize]),
+        read: None,
+    };
+    // range 0 (target 0, 10..60) gets two of its three pieces in this call;
+    // range 1 (target 0, 60..70) is tiled; range 2 is on another target
+    let pieces = vec![
+        piece(0, 40, 20),
+        piece(0, 10, 10),
+        piece(0, 60, 10),
+        piece(1, 0, 30),
+        piece(0, 70, 5),
+    ];
+    let ranges = [(0, 10, 50), (0, 60, 10), (1, 0, 40)];
+    let found = combine_crcs(pieces.clone(), &ranges);
+    assert_eq!(found[..2], [None, Some(crc32fast::hash(&data[60..70]))]);
+    let parts = untiled_parts(pieces, &ranges, &found);
+    let crc = |a: usize, b: usize| crc32fast::hash(&data[a..b]);
+    assert_eq!(
+        parts,
+        vec![
+            (0, 10, 10, crc(10, 20)),
+            (0, 40, 20, crc(40, 60)),
+            (2, 0, 30, crc(0, 30))
+        ]
+    );
+    // with the missing piece from another call, range 0's CRC joins
+    let all = [(crc(10, 20), 10), (crc(20, 40), 20), (crc(40, 60), 20)];
+    assert_eq!(crc32_concat(&all), crc(10, 60));
 }
 
 #[test]

@@ -47,6 +47,10 @@ class Sink(Protocol):
     # A local file the Rust executor may write positionally while the sink is open (a
     # spool file on an object store); the executor never opens anything else for writing.
     path: Path
+    # Whether the executor may write ``path`` around the page cache (O_DIRECT) for durable
+    # output: true where the file is the object itself, false for a spool that ``close`` reads
+    # back to upload.
+    direct: bool
 
     def pwrite(self, data: bytes, offset: int) -> None: ...
 
