@@ -825,10 +825,12 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
         text = ("**Ravex against its floors** (durable over `cp -r && sync -f`, `--no-sync` over `cp -r`, over the inputs): "
                 + "; ".join(per_format) + ". `cp -r` (coreutils 9, `copy_file_range`) copies page cache to page cache inside "
                 "the kernel and returns with the output still dirty in memory; at 5 GB it crosses the kernel's dirty-page "
-                "limit and starts paying for write-back too. Ravex starts Python, plans the layout, copies through one "
-                "64 KiB buffer per thread (read from the source, hash for the CRC-32s where the format has them, positional "
-                "write) and, durable, starts each piece's write-back as it is written and fsyncs every output file and "
-                "directory before it returns. `--to safetensors` writes a third of the bytes (the fp32 weights, no "
+                "limit and starts paying for write-back too. Ravex starts Python, plans the layout and copies through a "
+                "buffer per thread (read from the source, hash for the CRC-32s where the format has them, positional "
+                "write). With `--no-sync` it writes through the page cache in 64 KiB steps, as `cp` does. Durable, it "
+                "writes each piece's whole pages around the page cache (`O_DIRECT`, 1 MiB steps; a native store's data "
+                "files, which it reads back for their xxh3 sums, through the cache with early write-back) and fsyncs "
+                "every output file and directory before it returns. `--to safetensors` writes a third of the bytes (the fp32 weights, no "
                 "optimizer state).")
         fs = [(to, phase(f"ravex_{k}", "fsync"), share(f"ravex_{k}", ("fsync",))) for k, to, *_ in RAVEX_FORMATS]
         fs = [(to, f, sh) for to, f, sh in fs if f and sh]
@@ -884,7 +886,7 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
     if rv:
         obs.append(f"**Ravex's peak anonymous memory** was {_rng(rv, '{:.0f}')} MiB in every Ravex run, at both sizes and for "
                    "both inputs: the whole `ravex` process (Python, click and the executor, which copies through one 64 KiB "
-                   "buffer per thread and allocates no per-tensor buffers). Its max RSS is larger (up to the size of what it "
+                   "buffer per thread, 1 MiB with direct writes, and allocates no per-tensor buffers). Its max RSS is larger (up to the size of what it "
                    "read) because `ru_maxrss` counts the mmap'd input's page-cache pages while mapped; those are cache, "
                    "not allocations, and the kernel can drop them at any time.")
     loads = [statistics.median(c["other_cpu"]) for _, _, e in inputs for c in e["cases"].values() if c["other_cpu"]]
