@@ -595,6 +595,7 @@ fn run(
         })
         .collect();
     let direct_bytes = AtomicU64::new(0);
+    let page_size = direct_align();
     let source_sizes: Vec<u64> = sources.iter().map(|s| s.bytes().len() as u64).collect();
     let target_sizes: Vec<u64> = targets.iter().map(Opened::len).collect();
     let sizes = Sizes {
@@ -633,7 +634,7 @@ fn run(
                                 p,
                                 &sources,
                                 &targets,
-                                (d, &direct_bytes),
+                                (d, page_size, &direct_bytes),
                                 job,
                                 crcs,
                             ),
@@ -679,6 +680,23 @@ fn run(
 /// slower still in that state (the kernel's copy from the mapping came up
 /// short and zeroed and redid folios).
 const WRITE_STEP: usize = 64 << 10;
+
+/// Fills `buf` from byte `at` of the piece's source file.
+fn read_source(
+    file: &File,
+    buf: &mut [u8],
+    p: &Piece,
+    at: u64,
+    job: &Job<'_>,
+) -> Result<(), Error> {
+    file.read_exact_at(buf, at).map_err(|e| {
+        Error::io(
+            "cannot read source file",
+            Path::new(&source_name(&job.sources, p.src)),
+            e,
+        )
+    })
+}
 
 /// Notes the CRC-32 of the bytes that now stand at the piece's target range.
 fn record_crc(p: &Piece, crcs: Option<&Mutex<Vec<WrittenCrc>>>, crc: u32) {
@@ -747,14 +765,7 @@ fn run_piece(
                         buf.resize(WRITE_STEP, 0);
                     }
                     let data = &mut buf[..len];
-                    file.read_exact_at(data, p.src_off + done as u64)
-                        .map_err(|e| {
-                            Error::io(
-                                "cannot read source file",
-                                Path::new(&source_name(&job.sources, p.src)),
-                                e,
-                            )
-                        })?;
+                    read_source(file, data, p, p.src_off + done as u64, job)?;
                     write_at(data, at)?;
                     if crcs.is_some() {
                         hasher.update(data);
@@ -833,7 +844,7 @@ fn run_piece_direct(
     p: &Piece,
     sources: &[SourceData<'_>],
     targets: &[Opened<'_>],
-    (direct, direct_bytes): (&File, &AtomicU64),
+    (direct, page_size, direct_bytes): (&File, usize, &AtomicU64),
     job: &Job<'_>,
     crcs: Option<&Mutex<Vec<WrittenCrc>>>,
 ) -> Result<(), Error> {
@@ -848,7 +859,6 @@ fn run_piece_direct(
     let src = &sources[p.src].bytes()[start..start + p.src_bytes() as usize];
     let (from, to) = (p.from.size(), p.to.size());
     let total = p.dst_bytes() as usize;
-    let page_size = direct_align();
     let align = page_size as u64;
     let mut hasher = crc32fast::Hasher::new();
     DIRECT_BUFFER.with(|cell| -> Result<(), Error> {
@@ -870,15 +880,7 @@ fn run_piece_direct(
             let region = &mut buf[base + pad..base + pad + len];
             if p.from == p.to {
                 match sources[p.src].file() {
-                    Some(file) => file
-                        .read_exact_at(region, p.src_off + done as u64)
-                        .map_err(|e| {
-                            Error::io(
-                                "cannot read source file",
-                                Path::new(&source_name(&job.sources, p.src)),
-                                e,
-                            )
-                        })?,
+                    Some(file) => read_source(file, region, p, p.src_off + done as u64, job)?,
                     None => region.copy_from_slice(&src[done..done + len]),
                 }
             } else {
