@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -184,7 +185,24 @@ def train(opts: dict[str, Any]) -> None:
                     json.dump({"weights": digest(weights), "step": ravex.step() if ravex.is_active() else steps, "world_size": ws}, f)
 
 
+def store_digests(store: str) -> dict[int, str]:
+    """Step -> :func:`digest` of the weights in each complete checkpoint of a native store (the
+    test compares them with the reference's weights after that step)."""
+    from ravex_runtime.loading import load_checkpoint
+
+    manifest = json.loads((Path(store) / "manifest.json").read_text())
+    out = {}
+    for e in manifest["checkpoints"]:
+        if e.get("status") == "complete":
+            ckpt, tensors = load_checkpoint(Path(store), int(e["index"]))
+            out[int(ckpt.step or 0)] = digest({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})[:16]
+    return out
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--digests":  # python dist_train.py --digests STORE: JSON on stdout
+        print(json.dumps(store_digests(sys.argv[2])))
+        sys.exit(0)
     train(json.loads(sys.argv[1]))
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -320,10 +320,26 @@ def assert_like_reference(tmp: Path, tag: str, ref: Ref) -> None:
     assert json.loads((tmp / f"out-{tag}.json").read_text()) == ref.out
 
 
+def assert_checkpoints_hold_their_steps(store: Path, ref: Ref) -> None:
+    """Every complete checkpoint of ``store`` holds the weights the reference had after that
+    checkpoint's step (its rank 0 logged them as the next step's ``before``): a checkpoint
+    written with another step's state (a buffer overwritten, a step mislabelled) fails here
+    even when no resume reads it."""
+    res = subprocess.run([sys.executable, str(SCRIPT), "--digests", str(store)], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    got = {int(s): d for s, d in json.loads(res.stdout).items()}
+    assert got, f"{store}: no complete checkpoint"
+    want = {s: ref.logs[0][s + 1].before for s in got if s + 1 in ref.logs[0]}
+    assert {s: got[s] for s in want} == want, f"{store}: checkpoints (step -> weights) {got}, the reference after those steps {want}"
+
+
 def assert_resumed_after(done: Done, tmp: Path, tag: str, nproc: int, before: dict[int, int], step: int) -> None:
     """The run ``done`` resumed from the checkpoint at ``step``: rank 0 said so, and every rank's
-    first step is the one after it."""
+    first step is the one after it, and it kept writing checkpoints (a resumed run whose writes
+    fail goes on training with Ravex switched off: its logs can still look right)."""
     assert "resuming from checkpoint" in done.ranks.get(0, ""), done.report()
+    for r, text in done.ranks.items():
+        assert "checkpoint write failed" not in text and "disabled for the rest of this run" not in text, f"rank {r}\n{done.report()}"
     for r in range(nproc):
         new = read_log(tmp, tag, r)[before.get(r, 0):]
         assert new, f"rank {r} logged no step after the resume\n{done.report()}"
@@ -408,11 +424,13 @@ def test_a_job_on_object_storage_killed_whole_resumes_bit_identically(mode: str,
     assert last is not None, done.report()
     if mode == "fsdp2-per_rank":
         assert_written_by(local, mode, 2)
+    assert_checkpoints_hold_their_steps(local, ref)
     before = seen(tmp_path, "run", 2)
     done = ok(run(tmp_path, "run", 2, MODES[mode], env))
     assert "is not shared" not in done.ranks.get(0, ""), done.report()  # the probe: every rank sees the bucket
     assert_resumed_after(done, tmp_path, "run", 2, before, last)
     assert_like_reference(tmp_path, "run", ref)
+    assert_checkpoints_hold_their_steps(local, ref)
     assert not (local / "run-lock").exists()
     assert not list(local.rglob("*.tmp-*"))  # nothing was written under a temporary name and renamed
 

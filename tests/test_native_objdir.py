@@ -214,6 +214,64 @@ def test_a_crash_before_the_manifest_put_leaves_nothing_listed_and_the_next_writ
     assert bucket_of(remote)[0].audit() == []
 
 
+CRASH_MID_UPLOAD = """
+import os, shutil, sys
+from ravex_convert import convert
+def die(src, dst, length=0):
+    dst.write(src.read(1000))
+    dst.flush()
+    os._exit(9)
+shutil.copyfileobj = die
+convert(sys.argv[1], sys.argv[2], "native", world_size=2)
+"""
+
+
+def test_a_writer_killed_mid_upload_leaves_no_object_and_blocks_no_later_checkpoint(remote: str) -> None:
+    """A put cut short leaves its part in the bucket's directory (an object store keeps such an
+    upload out of sight): the next writer takes the same index, and the dead part is aborted."""
+    convert(DCP, remote, "native")
+    before = objects(remote)
+    res = subprocess.run([sys.executable, "-P", "-c", CRASH_MID_UPLOAD, str(ZERO), remote], capture_output=True, text=True, check=False,
+                         env={k: v for k, v in os.environ.items() if k != "RAVEX_STORAGE"})
+    assert res.returncode == 9, res.stderr
+    storage, key = bucket_of(remote)
+    parts = list(Path(storage.local_path(f"{key}/checkpoints/00000001")).glob(".*objdir-part-*"))
+    assert len(parts) == 1 and parts[0].stat().st_size == 1000
+    assert sorted(k for k in objects(remote) if k not in before) == ["lock"]  # no object of checkpoint 1 is visible
+    done = convert(ZERO, remote, "native")
+    assert done["index"] == 1  # nothing of index 1 ever appeared: it is free
+    assert not parts[0].exists()
+    assert verify(ZERO, remote).identical
+    assert bucket_of(remote)[0].audit() == []
+
+
+def test_a_put_killed_before_its_part_leaves_an_empty_prefix_the_sweep_clears(remote: str) -> None:
+    """Killed between making its key's directory and opening its part, a put leaves an empty
+    directory, which is no object (nor a folder) of the store: the next write sweeps it and takes
+    that index."""
+    convert(DCP, remote, "native")
+    storage, key = bucket_of(remote)
+    d = Path(storage.local_path(f"{key}/checkpoints/00000001"))
+    (d / "deeper").mkdir(parents=True)
+    assert convert(ZERO, remote, "native")["index"] == 1
+    assert verify(ZERO, remote).identical
+    assert storage.audit() == []
+
+
+def test_a_live_upload_under_a_key_does_not_make_it_exist(remote: str) -> None:
+    """A part of a put still in progress (this process's) is not an object either; it is left alone."""
+    convert(DCP, remote, "native")
+    storage, key = bucket_of(remote)
+    d = Path(storage.local_path(f"{key}/checkpoints/00000001"))
+    d.mkdir(parents=True)
+    part = d / f".rank00000.safetensors.objdir-part-{os.getpid()}-1"
+    part.write_bytes(b"x" * 10)
+    assert storage.only_uploads(f"{key}/checkpoints/00000001")
+    assert convert(ZERO, remote, "native")["index"] == 1
+    assert part.exists()
+    assert verify(ZERO, remote).identical
+
+
 def test_a_lost_precondition_commits_nothing_and_says_so(remote: str, monkeypatch: pytest.MonkeyPatch) -> None:
     convert(DCP, remote, "native")
     storage, key = bucket_of(remote)

@@ -425,6 +425,8 @@ def _sweep_objects(w: Where, refs: frozenset[str], listed: set[str]) -> list[str
     """The sweep by listing and deleting: a "directory" is the prefix ``checkpoints/<8 digits>/``,
     gone with its last object. Nothing is renamed or rewritten."""
     warnings: list[str] = []
+    # a put killed midway left no object, only the backend's remains (a part, an empty prefix)
+    w.storage.abort_unfinished(w.key_of(CHECKPOINTS))
     dirs: dict[str, list[str]] = {}
     for rel in w.objects(CHECKPOINTS):
         _, d, *rest = rel.split("/", 2)

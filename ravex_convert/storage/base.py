@@ -123,6 +123,10 @@ class Storage(Protocol):
 
     def delete(self, key: str) -> None: ...
 
+    def abort_unfinished(self, prefix: str) -> None:
+        """Clear what puts under ``prefix`` that never completed left (a writer killed mid-put):
+        an object store's lifecycle rule; nothing to do where writes go under temporary names."""
+
     def local_path(self, key: str) -> Path:
         """Where a reader may map the object's bytes (read-only)."""
 

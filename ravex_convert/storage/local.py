@@ -195,6 +195,10 @@ class LocalStorage:
     def delete(self, key: str) -> None:
         remove_tree(Path(key))
 
+    def abort_unfinished(self, prefix: str) -> None:
+        """Nothing: a local writer's unfinished files carry temporary names, which the formats' own
+        cleanup removes (docs/format.md section 4)."""
+
     def local_path(self, key: str) -> Path:
         return Path(key)
 

@@ -113,13 +113,24 @@ def _gone(raw: bytes) -> bool:
         return False
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or host != socket.gethostname():
         return False
+    return not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (or may: one not ours to signal)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except OSError:
         return False
-    return False
+    except OSError:
+        return True
+    return True
+
+
+def _upload_pid(name: str) -> int | None:
+    """The process that put the part ``name`` is assembled for (``.<name>{_UPLOADS}<pid>-<thread>``)."""
+    pid = name.rsplit(_UPLOADS, 1)[-1].split("-", 1)[0]
+    return int(pid) if _UPLOADS in name and pid.isdigit() else None
 
 
 @contextlib.contextmanager
@@ -174,16 +185,20 @@ class _Output:
             if not os.path.isdir(store.root):
                 raise RavexError(f"{store.root}: the destination's bucket (directory) does not exist", hint="create it first", path=store.root)
             old = store.list(dst) if store.exists(dst + "/") else ([dst] if store.exists(dst) else [])
-            # something at the key, even an empty "folder" (a directory here), is there already
-            if (old or store.local_path(dst).exists()) and not force:
+            # Something at the key, even an empty "folder" (a directory here), is there already.
+            # Unfinished uploads are not: a writer killed mid-put leaves its part behind, which
+            # an object store never shows (its lifecycle rule aborts the upload later).
+            store.abort_dead_parts(dst)
+            here = store.local_path(dst)
+            if (old or (here.exists() and not store.only_uploads(dst))) and not force:
                 raise RavexError(f"{SCHEME}{store.root}/{dst}: already exists", hint="pass --force to replace it, or choose another destination")
             # No atomic replace of many objects exists: the old output's commit objects go
             # first, so it stops being a checkpoint before any new object lands.
             for k in sorted(old, key=lambda k: k.rsplit("/", 1)[-1] not in commit):
                 store.delete(k)
-            if not old and store.local_path(dst).is_dir():
+            if not old and here.is_dir() and not any(here.iterdir()):
                 with _backend():
-                    store.local_path(dst).rmdir()  # an empty folder marker
+                    here.rmdir()  # an empty folder marker
         self.spool.mkdir(exist_ok=True)
 
     def _watch(self) -> None:
@@ -269,6 +284,50 @@ class ObjectDirStorage:
             return []
         keys = (str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file())
         return sorted(k for k in keys if _UPLOADS not in k)
+
+    def only_uploads(self, prefix: str) -> bool:
+        """Whether ``prefix`` is a directory holding unfinished uploads and nothing else: no object,
+        and not an empty "folder" either."""
+        base = self._file(prefix)
+        files = [p for p in base.rglob("*") if p.is_file()] if base.is_dir() else []
+        return bool(files) and all(_UPLOADS in p.name for p in files)
+
+    def abort_unfinished(self, prefix: str) -> None:
+        """What an object store's lifecycle rule does to uploads never completed: the parts under
+        ``prefix`` of puts whose process (of this machine) no longer runs are deleted, and so are
+        the directories under it left holding nothing (a put killed between making its key's
+        directory and opening its part leaves one: an object store has no such folder)."""
+        base = self._file(prefix)
+        self.abort_dead_parts(prefix)
+        if not base.is_dir():
+            return
+        with _backend():
+            for top, _, _ in os.walk(base, topdown=False):
+                if top != str(base):
+                    with contextlib.suppress(OSError):  # not empty: it holds objects or live parts
+                        os.rmdir(top)
+
+    def abort_dead_parts(self, prefix: str) -> None:
+        """Delete the parts under ``prefix`` of puts whose process (of this machine) no longer runs,
+        and the directories that held nothing else (the put made them)."""
+        base = self._file(prefix)
+        if not base.is_dir():
+            return
+        root = Path(self.root)
+        for part in list(base.rglob(f"*{_UPLOADS}*")):
+            pid = _upload_pid(part.name)
+            if pid is None or _running(pid):
+                continue
+            with _backend():
+                with contextlib.suppress(FileNotFoundError):
+                    part.unlink()
+                parent = part.parent
+                while parent != root and root in parent.parents:
+                    try:
+                        parent.rmdir()
+                    except OSError:  # not empty: it holds objects or other parts
+                        break
+                    parent = parent.parent
 
     def stat(self, key: str) -> Stat | None:
         try:
