@@ -396,6 +396,7 @@ def test_killed_job_resumes_bit_identically_on_every_rank(case: str, tmp_path: P
     assert last is not None and last <= reached, (checkpoints(store), done.report())
     if victim == "0":  # rank 0 (the writer, the coordinator) waited for its checkpoints before it died
         assert last == k - 1, (checkpoints(store), done.report())
+    assert_checkpoints_hold_their_steps(store, ref)
     before = seen(tmp_path, "run", nproc)
     done = ok(run(tmp_path, "run", nproc, MODES[mode]))  # the same command again
     assert_resumed_after(done, tmp_path, "run", nproc, before, last)
