@@ -209,7 +209,7 @@ def plan_dcp(ckpt: Checkpoint, ws: int, rust: Callable[[CopyJob], Any]) -> dict[
     plan = dcp_write.plan_write(out, Path("/nonexistent/dst"), opts)  # the core's DcpLayout, .metadata sized
     phases["plan_write"] = time.perf_counter() - t
     t = time.perf_counter()
-    job, crc_ranges = copy_job(plan.files[:1], [Path("/nonexistent/dst") / plan.files[0].rel])
+    job, crc_ranges, _ = copy_job(plan.files[:1], [Path("/nonexistent/dst") / plan.files[0].rel])
     phases["rank 0: its records + copy job"] = time.perf_counter() - t
     return {"phases": phases, "job": job, "summary": rust(job), "items": plan.summary["items"], "files": ws + 1,
             "out_bytes": plan.summary["bytes"], "crc_ranges": len(crc_ranges), "plan": plan}
@@ -228,7 +228,7 @@ def after_dcp(plan: Any) -> dict[str, Any]:
     before = _status()["VmRSS"]
     R.reset_peak()
     t = time.perf_counter()
-    job, _ = copy_job(plan.files, [Path("/nonexistent/dst") / f.rel for f in plan.files])
+    job, _, _ = copy_job(plan.files, [Path("/nonexistent/dst") / f.rel for f in plan.files])
     _core.plan_summary(job.sources, job.targets, job.tensors)
     res.update(one_process_s=time.perf_counter() - t, one_process_rss=_status()["VmHWM"] - before,
                one_process_target_chunks=sum(len(x[2]) for x in job.tensors))
@@ -243,7 +243,7 @@ def plan_safetensors(ckpt: Checkpoint, ws: int, rust: Callable[[CopyJob], Any]) 
     plan = safetensors.plan_write(out, Path("/nonexistent/dst"), opts)  # shards, headers, index
     phases["plan_write"] = time.perf_counter() - t
     t = time.perf_counter()
-    job, _ = copy_job(plan.files, [Path("/nonexistent/dst") / f.rel for f in plan.files])
+    job, _, _ = copy_job(plan.files, [Path("/nonexistent/dst") / f.rel for f in plan.files])
     phases["copy job"] = time.perf_counter() - t
     index = plan.commit[0][1] if isinstance(plan.commit, list) and plan.commit else b""
     return {"phases": phases, "job": job, "summary": rust(job), "files": len(plan.files) + 1, "out_bytes": plan.summary["bytes"] + len(index)}

@@ -120,6 +120,7 @@ def execute(
     writeback: bool = False,
     read_crcs: bool = False,
     direct: bool = False,
+    hash_ranges: Sequence[tuple[int, int, int]] | None = None,
 ) -> dict[str, Any]:
     """Copy every target chunk's elements from the source chunks.
 
@@ -131,6 +132,10 @@ def execute(
     ``read_crcs``: ``(source index, offset, length, crc)`` of each stretch of
     source bytes copied unchanged (a cast's are left out), to check a source's
     own CRC-32s without reading it again (:func:`crc32_concat` joins them).
+    With ``hash_ranges`` (``(target index, offset, length)``), also ``hashes``:
+    the xxh3-64 of each range, hashed from its bytes as they were written (in
+    order, by one copy thread), or None where one thread did not write it all
+    (two threads' stretches meet inside it): hash those from the file.
 
     ``sources`` are files (mapped read-only), ``bytes`` or other C-contiguous
     byte buffers (a ``memoryview``; it must not change during the call),

@@ -193,7 +193,7 @@ class CopyJob:
 
     def run(self, *, sync: bool = True, progress: Any = None, batch_bytes: int = 256 << 20,
             crc_ranges: list[tuple[int, int, int]] | None = None, threads: int = 0, writeback: bool | None = None,
-            read_crcs: bool = False, direct: bool | None = None) -> dict[str, int]:
+            read_crcs: bool = False, direct: bool | None = None, hash_ranges: list[tuple[int, int, int]] | None = None) -> dict[str, int]:
         """Execute in batches of about ``batch_bytes`` so a progress bar can move:
         ``progress(n)`` after each batch, with the bytes it wrote, and first
         ``progress.add_total(bytes)`` where ``progress`` has that method.
@@ -207,7 +207,10 @@ class CopyJob:
         reading it again: ``_torchzip.check_deferred``). With ``direct`` (the
         default where the output is durable, unless ``RAVEX_DIRECT_IO=0``) the
         whole pages of file targets are written around the page cache; pass
-        False for files that are read back before they are closed."""
+        False for files that are read back before they are closed. With
+        ``hash_ranges`` (target, offset, length), ``self.hashes`` gets each
+        range's xxh3-64, hashed as its bytes were written, or None where one
+        copy thread did not write all of it (the caller hashes the file there)."""
         if writeback is None:
             writeback = durable()
         if direct is None:
@@ -215,6 +218,7 @@ class CopyJob:
         totals: dict[str, int] = {}
         found: list[int | None] = [None] * len(crc_ranges or [])
         parts: dict[int, list[tuple[int, int, int]]] = {}  # range -> pieces written in it, from every batch
+        self.hashes: list[int | None] = [None] * len(hash_ranges or [])
         batch: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = []
         size = 0
         done = 0  # tensors executed before this batch
@@ -227,7 +231,7 @@ class CopyJob:
             self.table.decode(used)  # compressed chunks: decoded for this batch only
             try:
                 stats = _core.execute(self.sources, self.targets, batch, threads=threads, sync=False, crc_ranges=crc_ranges, writeback=writeback,
-                                      read_crcs=read_crcs, direct=direct)
+                                      read_crcs=read_crcs, direct=direct, hash_ranges=hash_ranges)
             except OSError as exc:
                 raise from_os_error(exc) from None
             except _core.CorruptSourceError as exc:
@@ -241,6 +245,9 @@ class CopyJob:
             for i, crc in enumerate(stats.pop("crcs", [])):
                 if crc is not None and found[i] is None:
                     found[i] = crc
+            for i, h in enumerate(stats.pop("hashes", [])):
+                if h is not None:  # a tensor's pieces are all in one batch: a range is hashed in its batch or not at all
+                    self.hashes[i] = h
             for i, offset, n, crc in stats.pop("crc_parts", []):
                 parts.setdefault(i, []).append((offset, n, crc))
             for k, v in stats.items():

@@ -46,9 +46,11 @@ class OutFile:
     # Copy into a scratch file outside the output instead (``seal`` then writes the object
     # from it: a compressed file, whose size is known only after compressing).
     scratch: bool = False
-    # Called with the copied bytes' local file (and the output, to open further sinks) before
-    # the sink closes; what it returns reaches the coordinator's ``commit`` under ``rel``.
-    seal: Callable[[Path, Any], Any] | None = None
+    # Called with the copied bytes' local file, the output (to open further sinks) and the
+    # xxh3-64 of each of ``hash_ranges`` (None where the copy could not hash it) before the sink
+    # closes; what it returns reaches the coordinator's ``commit`` under ``rel``.
+    seal: Callable[[Path, Any, list[int | None]], Any] | None = None
+    hash_ranges: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) whose xxh3-64 ``seal`` needs
     # The rank that must write this file (it alone holds the bytes), else any: see assign().
     rank: int | None = None
     # Fills ``small``, ``fills``, ``crc_ranges`` and ``finish`` when the file is about to be
@@ -99,22 +101,24 @@ def assign(files: list[OutFile], ranks: int) -> list[int]:
     return owner
 
 
-def copy_job(files: list[OutFile], paths: list[Path]) -> tuple[CopyJob, list[tuple[int, int, int]]]:
+def copy_job(files: list[OutFile], paths: list[Path]) -> tuple[CopyJob, list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """The one executor job that fills ``files`` (written at ``paths``), each tensor
     added once with all its destinations, and the (target, offset, length) ranges
-    whose CRC-32 the files' late records need."""
+    whose CRC-32 the files' late records need and whose xxh3-64 their seals need."""
     job = CopyJob()
     per_tensor: dict[int, tuple[LogicalTensor, list[Target]]] = {}
     crc_ranges: list[tuple[int, int, int]] = []
+    hash_ranges: list[tuple[int, int, int]] = []
     for f, path in zip(files, paths, strict=True):
         f.records()
         ti = job.target(path)
         for t, offset, region, dtype in f.fills:
             per_tensor.setdefault(id(t), (t, []))[1].append(Target(ti, offset, region, dtype))
         crc_ranges += [(ti, off, n) for off, n in f.crc_ranges]
+        hash_ranges += [(ti, off, n) for off, n in f.hash_ranges]
     for t, targets in per_tensor.values():
         job.add(t, targets)
-    return job, crc_ranges
+    return job, crc_ranges, hash_ranges
 
 
 def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, threads: int) -> dict[str, Any]:
@@ -130,24 +134,26 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, thre
             sinks.append(sink)
             for offset, data in f.small:
                 sink.pwrite(data, offset)
-        job, crc_ranges = copy_job(mine, [s.path for s in sinks])
+        job, crc_ranges, hash_ranges = copy_job(mine, [s.path for s in sinks])
         deferred = deferring()  # a conversion: the sources' CRC-32s are checked from this copy's reads
         # Durable files go around the page cache (O_DIRECT), but not where the copy is read back
-        # before its sink closes (a seal: the native store's xxh3 sums, compression; a spool
-        # uploaded on close): those bytes are wanted in memory.
-        hot = any(f.seal is not None or f.scratch for f in mine) or not all(s.direct for s in sinks)
+        # before its sink closes (compression's scratch file; a spool uploaded on close): those
+        # bytes are wanted in memory. A seal's xxh3 sums come from the copy itself.
+        hot = any(f.scratch for f in mine) or not all(s.direct for s in sinks)
         job.run(progress=progress, sync=False, threads=threads, crc_ranges=crc_ranges or None, read_crcs=deferred,
-                direct=False if hot else None)
+                direct=False if hot else None, hash_ranges=hash_ranges or None)
         if deferred:
             check_deferred(job.sources, job.read_crcs)  # raises before any file is closed: nothing is committed
-        at = 0
+        at = hat = 0
         for f, sink in zip(mine, sinks):
             crcs = job.crcs[at:at + len(f.crc_ranges)]
             at += len(f.crc_ranges)
+            hashes = job.hashes[hat:hat + len(f.hash_ranges)]
+            hat += len(f.hash_ranges)
             for offset, data in (f.finish(crcs) if f.finish else []):
                 sink.pwrite(data, offset)
             if f.seal is not None:
-                results[f.rel] = f.seal(sink.path, out)
+                results[f.rel] = f.seal(sink.path, out, hashes)
             if f.scratch:
                 sink.abort()  # a scratch file is never an object
             else:

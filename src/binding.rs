@@ -465,8 +465,11 @@ const _: () = assert!(DEFAULT_WINDOW_BYTES == 67108864);
 /// written, for callers that fsync the targets afterwards themselves.
 /// `direct` writes the whole pages of file targets around the page cache
 /// (`O_DIRECT`, where the file system allows it), for durable output.
+/// `hash_ranges` (`(target, offset, length)` tuples) returns `hashes`: the
+/// xxh3-64 of each range, hashed as its bytes were written, or None where no
+/// one copy thread wrote all of it in order (hash those from the file).
 #[pyfunction]
-#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true, crc_ranges=None, writeback=false, read_crcs=false, direct=false))]
+#[pyo3(signature = (sources, targets, tensors, threads=0, window_bytes=67108864, sync=true, crc_ranges=None, writeback=false, read_crcs=false, direct=false, hash_ranges=None))]
 #[allow(clippy::too_many_arguments)]
 fn execute<'py>(
     py: Python<'py>,
@@ -480,6 +483,7 @@ fn execute<'py>(
     writeback: bool,
     read_crcs: bool,
     direct: bool,
+    hash_ranges: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let options = Options {
         threads: checked(threads, "threads")? as usize,
@@ -497,46 +501,28 @@ fn execute<'py>(
         targets: targets_arg(&outs, &held_outs)?,
         tensors: tensors_arg(tensors)?,
     };
-    if crc_ranges.is_none() && !read_crcs {
+    if crc_ranges.is_none() && !read_crcs && hash_ranges.is_none() {
         let stats = py
             .detach(|| exec::execute(&job, &options))
             .map_err(py_err)?;
         return stats_dict(py, &stats);
     }
-    let empty = PyList::empty(py);
-    let ranges = list(
-        crc_ranges.unwrap_or(empty.as_any()),
-        "crc_ranges",
-        "(target, offset, length) tuples",
-    )?
-    .iter()
-    .enumerate()
-    .map(|(i, x)| {
-        let (t, o, l): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
-            x.extract().map_err(|_| {
-                PyValueError::new_err(format!(
-                    "crc_ranges[{i}] must be a (target, offset, length) tuple, got {}",
-                    show(x)
-                ))
-            })?;
-        Ok((
-            index_arg(&t, &format!("crc_ranges[{i}] target"))?,
-            non_negative_int(&o, &format!("crc_ranges[{i}] offset"))?,
-            non_negative_int(&l, &format!("crc_ranges[{i}] length"))?,
-        ))
-    })
-    .collect::<PyResult<Vec<_>>>()?;
-    let (stats, crcs, parts, read) = py
+    let ranges = ranges_arg(py, crc_ranges, "crc_ranges")?;
+    let to_hash = ranges_arg(py, hash_ranges, "hash_ranges")?;
+    let want_crcs = crc_ranges.is_some() || read_crcs;
+    let (stats, crcs, parts, read, hashes) = py
         .detach(|| {
-            exec::execute_with_crcs(&job, &options).map(|(stats, pieces)| {
-                let read: Vec<(usize, u64, u64, u32)> = pieces
-                    .iter()
-                    .filter_map(|p| p.read.map(|(src, at)| (src, at, p.len, p.crc)))
-                    .collect();
-                let crcs = exec::combine_crcs(pieces.clone(), &ranges);
-                let parts = exec::untiled_parts(pieces, &ranges, &crcs);
-                (stats, crcs, parts, read)
-            })
+            exec::execute_hashed(&job, &options, want_crcs, &to_hash).map(
+                |(stats, pieces, hashes)| {
+                    let read: Vec<(usize, u64, u64, u32)> = pieces
+                        .iter()
+                        .filter_map(|p| p.read.map(|(src, at)| (src, at, p.len, p.crc)))
+                        .collect();
+                    let crcs = exec::combine_crcs(pieces.clone(), &ranges);
+                    let parts = exec::untiled_parts(pieces, &ranges, &crcs);
+                    (stats, crcs, parts, read, hashes)
+                },
+            )
         })
         .map_err(py_err)?;
     let dict = stats_dict(py, &stats)?;
@@ -547,7 +533,41 @@ fn execute<'py>(
     if read_crcs {
         dict.set_item("read_crcs", read)?;
     }
+    if hash_ranges.is_some() {
+        dict.set_item("hashes", hashes)?;
+    }
     Ok(dict)
+}
+
+/// `(target, offset, length)` tuples of an argument named `what` (none when it is None).
+fn ranges_arg(
+    py: Python<'_>,
+    arg: Option<&Bound<'_, PyAny>>,
+    what: &str,
+) -> PyResult<Vec<(usize, u64, u64)>> {
+    let empty = PyList::empty(py);
+    list(
+        arg.unwrap_or(empty.as_any()),
+        what,
+        "(target, offset, length) tuples",
+    )?
+    .iter()
+    .enumerate()
+    .map(|(i, x)| {
+        let (t, o, l): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
+            x.extract().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "{what}[{i}] must be a (target, offset, length) tuple, got {}",
+                    show(x)
+                ))
+            })?;
+        Ok((
+            index_arg(&t, &format!("{what}[{i}] target"))?,
+            non_negative_int(&o, &format!("{what}[{i}] offset"))?,
+            non_negative_int(&l, &format!("{what}[{i}] length"))?,
+        ))
+    })
+    .collect()
 }
 
 /// The CRC-32 of byte strings one after another, from each one's `(crc, length)`.

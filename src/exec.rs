@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Mutex};
 
 use rayon::prelude::*;
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::dtype::{cast_into, check_cast, DType};
 use crate::files::{
@@ -400,7 +401,7 @@ pub fn plan_summary(job: &Job<'_>, options: &Options) -> Result<Summary, Error> 
 /// chunks are left as they are. Nothing is written unless the whole job is
 /// valid.
 pub fn execute(job: &Job<'_>, options: &Options) -> Result<Stats, Error> {
-    run(job, options, None)
+    run(job, options, None, None)
 }
 
 /// The CRC-32 of bytes one piece wrote: `len` bytes at `offset` of `target`.
@@ -425,8 +426,129 @@ pub fn execute_with_crcs(
     options: &Options,
 ) -> Result<(Stats, Vec<WrittenCrc>), Error> {
     let crcs = Mutex::new(Vec::new());
-    let stats = run(job, options, Some(&crcs))?;
+    let stats = run(job, options, Some(&crcs), None)?;
     Ok((stats, crcs.into_inner().unwrap_or_else(|e| e.into_inner())))
+}
+
+/// [`execute`], with the CRC-32 of every piece when `crcs` (as
+/// [`execute_with_crcs`]) and the xxh3-64 of each `(target, offset, len)` of
+/// `hash_ranges`, hashed from the bytes as they are written (a native store's
+/// chunk checksums without reading its files again). A range's hash is
+/// `None` where one copy thread did not write all of it in order: where two
+/// threads' stretches of the targets meet inside it, or no pieces tile it;
+/// and for ranges that overlap one another.
+pub fn execute_hashed(
+    job: &Job<'_>,
+    options: &Options,
+    crcs: bool,
+    hash_ranges: &[(usize, u64, u64)],
+) -> Result<(Stats, Vec<WrittenCrc>, Hashes), Error> {
+    let pieces = Mutex::new(Vec::new());
+    let hashes = HashRanges::new(hash_ranges);
+    let stats = run(job, options, crcs.then_some(&pieces), Some(&hashes))?;
+    let pieces = pieces.into_inner().unwrap_or_else(|e| e.into_inner());
+    Ok((stats, pieces, hashes.into_found()))
+}
+
+/// A range to hash: `(target, offset, len, the caller's index of it)`.
+type HashRange = (usize, u64, u64, usize);
+
+/// The xxh3-64 of each range asked (None: not hashed), in the caller's order.
+pub type Hashes = Vec<Option<u64>>;
+
+/// The ranges to hash, sorted, and the hash found for each (in the caller's order).
+struct HashRanges {
+    /// `(target, offset, len, caller's index)`, by target and offset; empty
+    /// ranges and ranges that overlap another are left out (the ones never
+    /// hashed: their bytes would have to go to two hashes).
+    sorted: Vec<HashRange>,
+    found: Mutex<Hashes>,
+}
+
+impl HashRanges {
+    fn new(ranges: &[(usize, u64, u64)]) -> HashRanges {
+        let mut sorted: Vec<_> = ranges
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.2 > 0)
+            .map(|(i, &(t, o, l))| (t, o, l, i))
+            .collect();
+        sorted.sort_unstable();
+        let overlap = |a: HashRange, b: HashRange| a.0 == b.0 && b.1 < a.1.saturating_add(a.2);
+        let alone: Vec<bool> = (0..sorted.len())
+            .map(|i| {
+                let before = i > 0 && overlap(sorted[i - 1], sorted[i]);
+                let after = i + 1 < sorted.len() && overlap(sorted[i], sorted[i + 1]);
+                !(before || after)
+            })
+            .collect();
+        let mut kept = alone.into_iter();
+        sorted.retain(|_| kept.next().unwrap_or(false));
+        // An empty range holds the hash of no bytes; no piece writes it.
+        let found = ranges
+            .iter()
+            .map(|&(_, _, l)| (l == 0).then(|| Xxh3::new().digest()))
+            .collect();
+        HashRanges {
+            sorted,
+            found: Mutex::new(found),
+        }
+    }
+
+    /// The range that holds all of `p`'s bytes, if one does.
+    fn holding(&self, p: &Piece) -> Option<HashRange> {
+        let i = self
+            .sorted
+            .partition_point(|&(t, o, _, _)| (t, o) <= (p.dst, p.dst_off));
+        let r = *self.sorted.get(i.checked_sub(1)?)?;
+        (r.0 == p.dst && p.dst_off + p.dst_bytes() <= r.1 + r.2).then_some(r)
+    }
+
+    fn into_found(self) -> Hashes {
+        self.found.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One copy thread's hash of the range its pieces are in: pieces come in
+/// target order, so a range is hashed when its first piece starts it and
+/// each next piece continues where the last ended.
+struct HashStream<'a> {
+    ranges: &'a HashRanges,
+    /// The range being hashed (its entry in `ranges.sorted`), the next byte
+    /// expected, and the hash so far.
+    open: Option<(HashRange, u64, Xxh3)>,
+}
+
+impl HashStream<'_> {
+    /// Where `p`'s bytes are to be hashed, if its range is being hashed in order.
+    fn feed(&mut self, p: &Piece) -> Option<&mut Xxh3> {
+        let r = self.ranges.holding(p)?;
+        if p.dst_off == r.1 {
+            self.open = Some((r, r.1, Xxh3::new()));
+        }
+        let in_order =
+            matches!(&self.open, Some((open, next, _)) if *open == r && *next == p.dst_off);
+        if !in_order {
+            self.open = None; // a gap, or a range begun by another thread
+        }
+        self.open.as_mut().map(|(_, _, h)| h)
+    }
+
+    /// After `p` was written (and fed): the range's hash once its last byte is in.
+    fn written(&mut self, p: &Piece) {
+        let Some((r, next, h)) = &mut self.open else {
+            return;
+        };
+        if *next != p.dst_off || self.ranges.holding(p) != Some(*r) {
+            return;
+        }
+        *next += p.dst_bytes();
+        if *next == r.1 + r.2 {
+            let digest = h.digest();
+            self.ranges.found.lock().unwrap_or_else(|e| e.into_inner())[r.3] = Some(digest);
+            self.open = None;
+        }
+    }
 }
 
 /// The CRC-32 of each `(target, offset, len)` range, combined from the pieces
@@ -525,17 +647,39 @@ fn ordered_pieces(
 /// with about the same bytes each, one per copy thread: each thread walks its
 /// own stretch of the targets, so two threads write the same file only where
 /// their stretches meet (a file takes writes one at a time).
+#[cfg(test)]
 pub(crate) fn split_even(pieces: &[Piece], parts: usize) -> Vec<&[Piece]> {
+    split_even_at(pieces, parts, |_| true)
+}
+
+/// `pieces` (in target order) cut into `parts` runs of consecutive pieces
+/// with about the same bytes each, as `split_even` does, each cut put off to
+/// the next piece that `cut_before` takes (one that starts a hash range: one
+/// thread then hashes all of it), as long as the pieces it adds come to at
+/// most a quarter of a stretch (one huge range is still shared).
+pub(crate) fn split_even_at(
+    pieces: &[Piece],
+    parts: usize,
+    cut_before: impl Fn(&Piece) -> bool,
+) -> Vec<&[Piece]> {
     let total: u64 = pieces.iter().map(Piece::dst_bytes).sum();
     let parts = parts.max(1) as u64;
+    let slack = total / parts / 4;
     let mut out = Vec::new();
     let (mut start, mut acc, mut k) = (0usize, 0u64, 1u64);
+    let mut due: Option<u64> = None; // a cut is due since `acc` was this
     for (i, p) in pieces.iter().enumerate() {
+        if let Some(since) = due {
+            if cut_before(p) || acc - since + p.dst_bytes() > slack {
+                out.push(&pieces[start..i]);
+                start = i;
+                k += 1;
+                due = None;
+            }
+        }
         acc += p.dst_bytes();
-        if k < parts && acc * parts >= total * k {
-            out.push(&pieces[start..=i]);
-            start = i + 1;
-            k += 1;
+        if due.is_none() && k < parts && acc * parts >= total * k {
+            due = Some(acc);
         }
     }
     if start < pieces.len() {
@@ -583,6 +727,7 @@ fn run(
     job: &Job<'_>,
     options: &Options,
     crcs: Option<&Mutex<Vec<WrittenCrc>>>,
+    hashes: Option<&HashRanges>,
 ) -> Result<Stats, Error> {
     let sources = open_sources(&job.sources)?;
     let targets = open_targets(&job.targets)?;
@@ -626,21 +771,33 @@ fn run(
             let n = job.tensors.len();
             for first in (0..n).step_by(ORDER_GROUP) {
                 let all = ordered_pieces(job, sizes, cut, first..n.min(first + ORDER_GROUP))?;
-                split_even(&all, pool.current_num_threads())
-                    .into_par_iter()
-                    .try_for_each(|part| {
-                        part.iter().try_for_each(|p| match &direct[p.dst] {
+                split_even_at(&all, pool.current_num_threads(), |p| {
+                    hashes.is_none_or(|h| h.holding(p).is_none_or(|r| r.1 == p.dst_off))
+                })
+                .into_par_iter()
+                .try_for_each(|part| {
+                    let mut stream = hashes.map(|ranges| HashStream { ranges, open: None });
+                    part.iter().try_for_each(|p| {
+                        let hash = stream.as_mut().and_then(|s| s.feed(p));
+                        match &direct[p.dst] {
                             Some(d) => run_piece_direct(
                                 p,
                                 &sources,
                                 &targets,
                                 (d, page_size, &direct_bytes),
                                 job,
-                                crcs,
+                                (crcs, hash),
                             ),
-                            None => run_piece(p, &sources, &targets, job, crcs, tx.as_ref()),
-                        })
-                    })?;
+                            None => {
+                                run_piece(p, &sources, &targets, job, (crcs, hash), tx.as_ref())
+                            }
+                        }?;
+                        if let Some(s) = stream.as_mut() {
+                            s.written(p);
+                        }
+                        Ok::<(), Error>(())
+                    })
+                })?;
             }
             Ok::<_, Error>(summary)
         });
@@ -725,7 +882,7 @@ fn run_piece(
     sources: &[SourceData<'_>],
     targets: &[Opened<'_>],
     job: &Job<'_>,
-    crcs: Option<&Mutex<Vec<WrittenCrc>>>,
+    (crcs, mut hash): (Option<&Mutex<Vec<WrittenCrc>>>, Option<&mut Xxh3>),
     writeback: Option<&mpsc::Sender<(usize, u64, u64)>>,
 ) -> Result<(), Error> {
     let write_at = |data: &[u8], offset: u64| {
@@ -770,6 +927,9 @@ fn run_piece(
                     if crcs.is_some() {
                         hasher.update(data);
                     }
+                    if let Some(h) = hash.as_mut() {
+                        h.update(data);
+                    }
                     Ok::<(), Error>(())
                 })?,
                 _ => {
@@ -777,6 +937,9 @@ fn run_piece(
                     write_at(step, at)?;
                     if crcs.is_some() {
                         hasher.update(step);
+                    }
+                    if let Some(h) = hash.as_mut() {
+                        h.update(step);
                     }
                 }
             }
@@ -796,6 +959,9 @@ fn run_piece(
                 write_at(&buf, p.dst_off + (k * per_step * to) as u64)?;
                 if crcs.is_some() {
                     hasher.update(&buf);
+                }
+                if let Some(h) = hash.as_mut() {
+                    h.update(&buf);
                 }
             }
             Ok(())
@@ -846,7 +1012,7 @@ fn run_piece_direct(
     targets: &[Opened<'_>],
     (direct, page_size, direct_bytes): (&File, usize, &AtomicU64),
     job: &Job<'_>,
-    crcs: Option<&Mutex<Vec<WrittenCrc>>>,
+    (crcs, mut hash): (Option<&Mutex<Vec<WrittenCrc>>>, Option<&mut Xxh3>),
 ) -> Result<(), Error> {
     let target_err = |e| {
         Error::io(
@@ -894,6 +1060,9 @@ fn run_piece_direct(
             }
             if crcs.is_some() {
                 hasher.update(region);
+            }
+            if let Some(h) = hash.as_mut() {
+                h.update(region);
             }
             let page = at - pad as u64;
             let end = at + len as u64;

@@ -502,6 +502,43 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// The xxh3-64 hashed while copying equals that of the bytes that ended
+    /// up in each range, through the page cache or around it; with one copy
+    /// thread every target chunk gets one, with more a chunk where two
+    /// threads' stretches meet may get none, never a wrong one. A range that
+    /// no piece tiles from its start (part of a chunk, a chunk's tail) gets none.
+    #[test]
+    fn hashes_from_the_copy_equal_xxh3_of_the_written_bytes((c, threads, window) in case(), direct in any::<bool>()) {
+        use crate::exec::execute_hashed;
+        use xxhash_rust::xxh3::xxh3_64;
+        let dir = TempDir::new().unwrap();
+        let a_files = write_files(dir.path(), "a", &c.a_sizes, 0x3C, &c.shape, &c.a);
+        let b_files = blank(dir.path(), "b", &c.b_sizes);
+        let job = one_tensor(paths(&a_files), b_files.clone(), &c.shape, &c.a, &c.b);
+        let chunks: Vec<(usize, u64, u64)> = ranges(&c.shape, &c.b).into_iter().map(|(f, a, b)| (f, a, b - a)).collect();
+        // the second half of each chunk: no piece need start there; and both at once:
+        // ranges that overlap, never hashed
+        let halves: Vec<(usize, u64, u64)> = chunks.iter().map(|&(f, o, l)| (f, o + l / 2, l - l / 2)).collect();
+        let both: Vec<_> = chunks.iter().chain(&halves).copied().collect();
+        let opts = Options { direct, ..options(threads, window) };
+        for (what, asked) in [("chunks", &chunks), ("halves", &halves), ("both", &both)] {
+            let (_, crcs, hashes) = execute_hashed(&job, &opts, false, asked).unwrap();
+            prop_assert!(crcs.is_empty());
+            let files = read_all(&b_files);
+            for (i, ((f, off, len), h)) in asked.iter().zip(&hashes).enumerate() {
+                let want = xxh3_64(&files[*f][*off as usize..(*off + *len) as usize]);
+                match h {
+                    Some(h) => prop_assert_eq!(*h, want, "{} {}", what, i),
+                    None => prop_assert!(what != "chunks" || threads > 1, "chunk {} not hashed by one thread", i),
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn crcs_of_ranges_not_tiled_are_none() {
     use crate::exec::{combine_crcs, WrittenCrc};
@@ -621,6 +658,16 @@ fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
                 vec![Some(crc32fast::hash(want))],
                 "{dst_off}"
             );
+            // one thread writes the range in order: its xxh3 comes from the copy, both ways
+            let one = Options { threads: 1, ..opts };
+            let (_, _, hashes) =
+                crate::exec::execute_hashed(&job, &one, true, &[(0, dst_off, len)]).unwrap();
+            assert_eq!(
+                hashes,
+                vec![Some(xxhash_rust::xxh3::xxh3_64(want))],
+                "{dst_off}"
+            );
+            assert_eq!(&fs::read(&targets[0]).unwrap()[at..end], &want[..]);
         }
     }
 }
@@ -726,6 +773,36 @@ proptest! {
             prop_assert!(bytes <= total / parts as u64 + largest + 1, "{bytes} of {total} in {parts} parts");
         }
     }
+}
+
+/// With hash ranges, a cut between two threads waits for the next piece that
+/// starts a range, as long as that is within a quarter of a share; past
+/// that, it cuts inside the range.
+#[test]
+fn cuts_wait_for_the_start_of_a_hash_range_within_a_quarter_share() {
+    use crate::exec::split_even_at;
+    // 8 pieces of 100 elements (400 bytes) in one file; ranges start at the pieces in `starts`
+    let pieces: Vec<Piece> = (0..8u64)
+        .map(|i| Piece {
+            src: 0,
+            src_off: 0,
+            dst: 0,
+            dst_off: i * 400,
+            elems: 100,
+            from: DType::F32,
+            to: DType::F32,
+        })
+        .collect();
+    let starts = |at: &'static [u64]| move |p: &Piece| at.contains(&(p.dst_off / 400));
+    let lens = |shares: Vec<&[Piece]>| shares.iter().map(|s| s.len()).collect::<Vec<_>>();
+    // even cut after piece 3 (1600 of 3200 bytes); the next start is piece 5, 400 bytes on: within 400 (a quarter of 1600)
+    assert_eq!(lens(split_even_at(&pieces, 2, starts(&[0, 5]))), vec![5, 3]);
+    // a start at piece 4 is where the cut falls anyway
+    assert_eq!(lens(split_even_at(&pieces, 2, starts(&[0, 4]))), vec![4, 4]);
+    // the next start 800 bytes on: too far; cut after one piece of slack
+    assert_eq!(lens(split_even_at(&pieces, 2, starts(&[0, 6]))), vec![5, 3]);
+    assert_eq!(lens(split_even_at(&pieces, 2, starts(&[0]))), vec![5, 3]);
+    assert_eq!(lens(split_even_at(&pieces, 2, |_| true)), vec![4, 4]);
 }
 
 /// A target can be memory the caller lends (a live tensor): the same copy and

@@ -2,7 +2,8 @@
 whole pages of each piece, the partial pages at its ends through the cache). The bytes must be
 the same as through the cache, for every output format, for a cast and at any offset; ``--no-sync``
 and ``RAVEX_DIRECT_IO=0`` keep to the page cache, and so do files read back before they close
-(the native store's). The runtime's configuration accepts the
+(compression's scratch files, object storage's spools). A native store's chunk checksums are
+hashed by the copy as it writes, not read back. The runtime's configuration accepts the
 converter's own variables (an error's hint may tell a user to set one)."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 from conftest import DATA
 from safetensors.torch import load_file
 
-from ravex_convert import _core, convert
+from ravex_convert import _core, convert, read_checkpoint, verify
 from ravex_convert._engine import CopyJob
+from ravex_convert.formats import native
 from ravex_runtime.config import load_config
 
 
@@ -113,9 +115,9 @@ def test_direct_writes_the_same_bytes_as_the_page_cache(source: Path, tmp_path: 
     monkeypatch.delenv("RAVEX_DIRECT_IO")
     convert(source, tmp_path / name, to, **extra)
     (tmp_path / name).rename(tmp_path / "direct" / name)
-    if to == "native" or os.environ.get("RAVEX_STORAGE") == "objdir":
-        # read back before they close, so they stay in the cache: a native store's data files
-        # (the seal computes their xxh3 sums), and on object storage every spool (uploaded on close)
+    if os.environ.get("RAVEX_STORAGE") == "objdir":
+        # read back before they close, so they stay in the cache: on object storage every spool
+        # (uploaded on close)
         assert calls and all(not asked and n == 0 for asked, n in calls), calls
     else:
         assert calls and all(asked for asked, _ in calls), calls
@@ -127,6 +129,11 @@ def test_direct_writes_the_same_bytes_as_the_page_cache(source: Path, tmp_path: 
     # a native store's JSON its store and run ids and creation times; the rest is byte for byte
     differ = [k for k in cached if k != ".metadata" and _stamped(k, cached[k]) != _stamped(k, direct[k])]
     assert not differ, differ
+    if to == "native":
+        # the chunk checksums the copy hashed are those of the bytes on disk
+        for where in ("cached", "direct"):
+            assert verify(source, tmp_path / where / name).identical
+            native.verify_chunks(read_checkpoint(tmp_path / where / name))
     if to == "safetensors":
         got = load_file(str(tmp_path / "direct" / name / "model.safetensors"))
         want = torch.load(source, weights_only=True)["model"]
@@ -175,3 +182,35 @@ def test_a_zip_entry_filled_over_several_batches_is_not_read_back(tmp_path: Path
     one, many = _tree(tmp_path / "one" / "out"), _tree(tmp_path / "out")
     assert one.keys() == many.keys()
     assert [k for k in one if one[k] != many[k]] == []
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_native_stores_checksums_come_from_the_copy(source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """The seal reads back only chunks the copy could not hash: none with one copy thread; with
+    two, at most the chunk where their stretches of a file meet (one per file here). Each checksum
+    is that of the bytes on disk."""
+    read_back: list[tuple[int, int]] = []
+    real = _core.checksum_ranges
+
+    def recorded(path: str, ranges: list[tuple[int, int]], algo: str) -> list[int]:
+        read_back.extend(ranges)
+        return real(path, ranges, algo)
+
+    real_run = CopyJob.run
+    monkeypatch.setattr(CopyJob, "run", lambda self, **k: real_run(self, **{**k, "threads": threads}))
+    monkeypatch.setattr(_core, "checksum_ranges", recorded)
+    convert(source, tmp_path / "store", "native", world_size=2)
+    ckpt = read_checkpoint(tmp_path / "store")
+    files = {c.file for t in ckpt.tensors.values() for c in t.chunks}
+    assert len(read_back) <= (threads - 1) * len(files), read_back
+    native.verify_chunks(ckpt)
+    assert verify(source, tmp_path / "store").identical
+
+
+def test_a_compressed_native_store_is_still_hashed_right(source: Path, tmp_path: Path, calls: list[tuple[bool, int]]) -> None:
+    """zstd: the copy goes to a scratch file that the seal compresses (read back, so cached), and
+    the checksums (of the uncompressed chunks) still come from the copy."""
+    convert(source, tmp_path / "store", "native", compression="zstd")
+    assert calls and all(not asked for asked, _ in calls), calls
+    native.verify_chunks(read_checkpoint(tmp_path / "store"))
+    assert verify(source, tmp_path / "store").identical

@@ -293,15 +293,21 @@ def _data_files(outs: list[_Out], compression: str | None, keep_chunks: bool = F
             o.file, o.offset = name, pos
             pos += o.nbytes
         f = OutFile(name, pos, small=[(0, head)] if head else [], scratch=compression is not None, seal=_sealer(name, chunks, compression),
-                    rank=rank if keep_chunks else None)
+                    rank=rank if keep_chunks else None, hash_ranges=[(o.offset, o.nbytes) for o in chunks])
         f.fills = [(o.tensor, o.offset, o.region, o.dtype) for o in chunks]
         files.append(f)
     return files
 
 
-def _sealer(name: str, chunks: list[_Out], compression: str | None) -> Callable[[Path, Any], Any]:
-    def seal(path: Path, out: Any) -> tuple[list[int], list[int], list[str], int]:
-        sums = [f"xxh3-64:{h:016x}" for h in _core.checksum_ranges(str(path), [(o.offset, o.nbytes) for o in chunks], "xxh3-64")]
+def _sealer(name: str, chunks: list[_Out], compression: str | None) -> Callable[[Path, Any, list[int | None]], Any]:
+    def seal(path: Path, out: Any, hashed: list[int | None]) -> tuple[list[int], list[int], list[str], int]:
+        # the copy hashed each chunk as it wrote it; the few it could not (two copy threads
+        # met inside the chunk) are hashed from the file
+        missing = [i for i, h in enumerate(hashed) if h is None]
+        if missing:
+            for i, h in zip(missing, _core.checksum_ranges(str(path), [(chunks[i].offset, chunks[i].nbytes) for i in missing], "xxh3-64")):
+                hashed[i] = h
+        sums = [f"xxh3-64:{h:016x}" for h in hashed]
         if compression is None:
             return [o.offset for o in chunks], [o.nbytes for o in chunks], sums, path.stat().st_size
         sink = out.sink(name, 0)
