@@ -828,8 +828,8 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
                 "limit and starts paying for write-back too. Ravex starts Python, plans the layout and copies through a "
                 "buffer per thread (read from the source, hash for the CRC-32s where the format has them, positional "
                 "write). With `--no-sync` it writes through the page cache in 64 KiB steps, as `cp` does. Durable, it "
-                "writes each piece's whole pages around the page cache (`O_DIRECT`, 1 MiB steps; a native store's data "
-                "files, which it reads back for their xxh3 sums, through the cache with early write-back) and fsyncs "
+                "writes each piece's whole pages around the page cache (`O_DIRECT`, 1 MiB steps; a native store's xxh3 "
+                "sums are hashed during the copy, so its data files go direct as well) and fsyncs "
                 "every output file and directory before it returns. `--to safetensors` writes a third of the bytes (the fp32 weights, no "
                 "optimizer state).")
         fs = [(to, phase(f"ravex_{k}", "fsync"), share(f"ravex_{k}", ("fsync",))) for k, to, *_ in RAVEX_FORMATS]
