@@ -330,6 +330,7 @@ def assert_checkpoints_hold_their_steps(store: Path, ref: Ref) -> None:
     got = {int(s): d for s, d in json.loads(res.stdout).items()}
     assert got, f"{store}: no complete checkpoint"
     want = {s: ref.logs[0][s + 1].before for s in got if s + 1 in ref.logs[0]}
+    assert want, f"{store}: no checkpoint before the last step to compare ({sorted(got)})"
     assert {s: got[s] for s in want} == want, f"{store}: checkpoints (step -> weights) {got}, the reference after those steps {want}"
 
 

@@ -165,6 +165,7 @@ class CopyJob:
     tensors: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = field(default_factory=list)
     crcs: list[int] = field(default_factory=list)  # of crc_ranges, after run()
     read_crcs: list[tuple[int, int, int, int]] = field(default_factory=list)  # run(read_crcs=True): (source, offset, length, crc)
+    hashes: list[int | None] = field(default_factory=list)  # of hash_ranges, after run() (None: not hashed by the copy)
     names: list[str] = field(default_factory=list)  # each tensor's logical name, for messages
 
     @property
@@ -218,7 +219,7 @@ class CopyJob:
         totals: dict[str, int] = {}
         found: list[int | None] = [None] * len(crc_ranges or [])
         parts: dict[int, list[tuple[int, int, int]]] = {}  # range -> pieces written in it, from every batch
-        self.hashes: list[int | None] = [None] * len(hash_ranges or [])
+        self.hashes = [None] * len(hash_ranges or [])
         batch: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = []
         size = 0
         done = 0  # tensors executed before this batch

@@ -646,17 +646,10 @@ fn ordered_pieces(
 /// `pieces` (in target order) cut into `parts` runs of consecutive pieces
 /// with about the same bytes each, one per copy thread: each thread walks its
 /// own stretch of the targets, so two threads write the same file only where
-/// their stretches meet (a file takes writes one at a time).
-#[cfg(test)]
-pub(crate) fn split_even(pieces: &[Piece], parts: usize) -> Vec<&[Piece]> {
-    split_even_at(pieces, parts, |_| true)
-}
-
-/// `pieces` (in target order) cut into `parts` runs of consecutive pieces
-/// with about the same bytes each, as `split_even` does, each cut put off to
-/// the next piece that `cut_before` takes (one that starts a hash range: one
-/// thread then hashes all of it), as long as the pieces it adds come to at
-/// most a quarter of a stretch (one huge range is still shared).
+/// their stretches meet (a file takes writes one at a time). Each cut is put
+/// off to the next piece that `cut_before` takes (one that starts a hash
+/// range: one thread then hashes all of it), as long as the pieces it adds
+/// come to at most a quarter of a stretch (one huge range is still shared).
 pub(crate) fn split_even_at(
     pieces: &[Piece],
     parts: usize,

@@ -13,7 +13,7 @@ use tempfile::TempDir;
 use crate::compare::{compare, Tolerance};
 use crate::dtype::DType;
 use crate::exec::{
-    build_pieces, execute, plan_summary, split_even, Job, Options, Piece, Sizes, TensorJob,
+    build_pieces, execute, plan_summary, split_even_at, Job, Options, Piece, Sizes, TensorJob,
 };
 use crate::files::{ChunkRef, Memory, Source, Target};
 
@@ -761,7 +761,7 @@ proptest! {
             .enumerate()
             .map(|(i, &elems)| Piece { src: 0, src_off: 0, dst: i / 7, dst_off: (i % 7) as u64 * 8, elems, from: DType::F32, to: DType::F32 })
             .collect();
-        let shares = split_even(&pieces, parts);
+        let shares = split_even_at(&pieces, parts, |_| true);
         prop_assert!(shares.len() <= parts);
         prop_assert!(shares.iter().all(|s| !s.is_empty()));
         let joined: Vec<Piece> = shares.iter().flat_map(|s| s.iter().copied()).collect();
@@ -780,7 +780,6 @@ proptest! {
 /// that, it cuts inside the range.
 #[test]
 fn cuts_wait_for_the_start_of_a_hash_range_within_a_quarter_share() {
-    use crate::exec::split_even_at;
     // 8 pieces of 100 elements (400 bytes) in one file; ranges start at the pieces in `starts`
     let pieces: Vec<Piece> = (0..8u64)
         .map(|i| Piece {

@@ -127,10 +127,13 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _upload_pid(name: str) -> int | None:
-    """The process that put the part ``name`` is assembled for (``.<name>{_UPLOADS}<pid>-<thread>``)."""
+def _dead_part(name: str) -> bool:
+    """Whether ``name`` is the part of a put (``.<name>{_UPLOADS}<pid>-<thread>``) whose process
+    no longer runs."""
+    if _UPLOADS not in name:
+        return False
     pid = name.rsplit(_UPLOADS, 1)[-1].split("-", 1)[0]
-    return int(pid) if _UPLOADS in name and pid.isdigit() else None
+    return pid.isdigit() and not _running(int(pid))
 
 
 @contextlib.contextmanager
@@ -298,11 +301,14 @@ class ObjectDirStorage:
         the directories under it left holding nothing (a put killed between making its key's
         directory and opening its part leaves one: an object store has no such folder)."""
         base = self._file(prefix)
-        self.abort_dead_parts(prefix)
         if not base.is_dir():
             return
         with _backend():
-            for top, _, _ in os.walk(base, topdown=False):
+            for top, _, names in os.walk(base, topdown=False):
+                for name in names:
+                    if _dead_part(name):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(top, name))
                 if top != str(base):
                     with contextlib.suppress(OSError):  # not empty: it holds objects or live parts
                         os.rmdir(top)
@@ -313,21 +319,12 @@ class ObjectDirStorage:
         base = self._file(prefix)
         if not base.is_dir():
             return
-        root = Path(self.root)
         for part in list(base.rglob(f"*{_UPLOADS}*")):
-            pid = _upload_pid(part.name)
-            if pid is None or _running(pid):
-                continue
-            with _backend():
-                with contextlib.suppress(FileNotFoundError):
-                    part.unlink()
-                parent = part.parent
-                while parent != root and root in parent.parents:
-                    try:
-                        parent.rmdir()
-                    except OSError:  # not empty: it holds objects or other parts
-                        break
-                    parent = parent.parent
+            if _dead_part(part.name):
+                with _backend():
+                    with contextlib.suppress(FileNotFoundError):
+                        part.unlink()
+                    self._drop_empty_parents(part)
 
     def stat(self, key: str) -> Stat | None:
         try:
@@ -389,17 +386,21 @@ class ObjectDirStorage:
         """The object goes; so does the backing directory of every prefix left with no
         object (a "directory" of an object store exists only while it holds objects)."""
         path = self._file(key)
-        root = Path(self.root)
         with _backend(), self._lock:
             path.unlink()
             _gens.pop(str(path), None)
-            parent = path.parent
-            while parent != root and root in parent.parents:
-                try:
-                    parent.rmdir()
-                except OSError:  # not empty (or not ours to remove): a prefix still in use
-                    break
-                parent = parent.parent
+            self._drop_empty_parents(path)
+
+    def _drop_empty_parents(self, path: Path) -> None:
+        """The directories above ``path``, up to the bucket, that hold nothing now (inside the backend)."""
+        root = Path(self.root)
+        parent = path.parent
+        while parent != root and root in parent.parents:
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (or not ours to remove): a prefix still in use
+                break
+            parent = parent.parent
 
     def local_path(self, key: str) -> Path:
         return self._file(key)
