@@ -166,4 +166,8 @@ def train(opts: dict[str, Any]) -> None:
 if __name__ == "__main__":
     train(json.loads(sys.argv[1]))
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # past gloo's occasional abort in its teardown at interpreter exit (as in dist_train.py)

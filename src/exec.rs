@@ -701,18 +701,38 @@ fn start_writeback(_file: &File, _offset: u64, _len: u64) {}
 /// A second handle on a target file for direct writes, or `None` where the
 /// file system refuses `O_DIRECT` (tmpfs on older kernels, some FUSE file
 /// systems): those targets are written through the page cache.
+///
+/// The file's first `len` bytes are allocated first (`fallocate`, mode 0:
+/// unwritten extents, read as zeros; a target is pre-sized but sparse). On
+/// ext4 a direct write that must allocate blocks holds the inode lock
+/// exclusively, so two copy threads writing one file reach the device one
+/// at a time; a direct write into allocated blocks takes it shared. Measured
+/// on this project's VM, 5 GB DCP -> torch_save durable, 7 interleaved
+/// pairs: median 2.40 s with the blocks allocated, 2.94 s without. Refused
+/// (`EOPNOTSUPP`, a file system without it) -> the file stays sparse; never
+/// `posix_fallocate`, which glibc emulates by writing zeros.
 #[cfg(target_os = "linux")]
-fn open_direct(path: &Path) -> Option<File> {
+fn open_direct(path: &Path, len: u64) -> Option<File> {
+    use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
+    let file = std::fs::OpenOptions::new()
         .write(true)
         .custom_flags(libc::O_DIRECT)
         .open(path)
-        .ok()
+        .ok()?;
+    if let Ok(len) = libc::off_t::try_from(len) {
+        if len > 0 {
+            // SAFETY: a plain syscall on an open descriptor; no memory is passed.
+            unsafe {
+                libc::fallocate(file.as_raw_fd(), 0, 0, len);
+            }
+        }
+    }
+    Some(file)
 }
 
 #[cfg(not(target_os = "linux"))]
-fn open_direct(_path: &Path) -> Option<File> {
+fn open_direct(_path: &Path, _len: u64) -> Option<File> {
     None
 }
 
@@ -727,8 +747,9 @@ fn run(
     let direct: Vec<Option<File>> = job
         .targets
         .iter()
-        .map(|t| match t {
-            Target::Path(path) if options.direct => open_direct(path),
+        .zip(&targets)
+        .map(|(t, opened)| match t {
+            Target::Path(path) if options.direct => open_direct(path, opened.len()),
             _ => None,
         })
         .collect();

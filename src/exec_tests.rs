@@ -881,3 +881,52 @@ fn copies_and_casts_into_memory_targets() {
     drop(job);
     assert_eq!(small, vec![0u8; 8]);
 }
+
+/// A sparse target written direct has its blocks allocated first (so two
+/// threads' direct writes into one ext4 file share the inode lock): after
+/// the job the file occupies its whole length on disk, the bytes written
+/// are the source's, and the bytes no piece wrote still read as zeros.
+/// Written through the cache, the same target stays sparse.
+#[test]
+fn direct_targets_are_allocated_before_the_copy() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = TempDir::new().unwrap();
+    if !direct_works(dir.path()) {
+        return; // nothing to check: this file system takes no direct writes
+    }
+    let n: u64 = 1 << 20; // 4 MiB of f32
+    let data: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let sources = write_data(dir.path(), "src", &[data.clone()]);
+    let (dst_off, size) = (8 << 20, 16 << 20); // written: [8, 12) MiB of 16
+    for direct in [true, false] {
+        let target = dir.path().join(format!("dst-{direct}"));
+        fs::File::create(&target).unwrap().set_len(size).unwrap(); // sparse, as the writers make it
+        let chunk = |offset| ChunkRef {
+            file: 0,
+            offset,
+            region: Region::Flat { start: 0, len: n },
+            dtype: DType::F32,
+        };
+        let job = Job {
+            sources: paths(&sources),
+            targets: vec![Target::from(target.clone())],
+            tensors: vec![TensorJob {
+                shape: vec![n],
+                src_chunks: vec![chunk(0)],
+                dst_chunks: vec![chunk(dst_off)],
+            }],
+        };
+        let stats = execute(&job, &Options { direct, ..options(2, 1 << 20) }).unwrap();
+        let on_disk = fs::metadata(&target).unwrap().blocks() * 512;
+        if direct {
+            assert!(stats.direct_bytes > 0, "{stats:?}");
+            assert!(on_disk >= size, "{on_disk} bytes allocated of {size}");
+        } else {
+            assert!(on_disk < size, "{on_disk} bytes allocated of {size}");
+        }
+        let out = fs::read(&target).unwrap();
+        let (at, end) = (dst_off as usize, dst_off as usize + data.len());
+        assert_eq!(&out[at..end], &data[..]);
+        assert!(out[..at].iter().chain(&out[end..]).all(|&b| b == 0));
+    }
+}
