@@ -916,7 +916,14 @@ fn direct_targets_are_allocated_before_the_copy() {
                 dst_chunks: vec![chunk(dst_off)],
             }],
         };
-        let stats = execute(&job, &Options { direct, ..options(2, 1 << 20) }).unwrap();
+        let stats = execute(
+            &job,
+            &Options {
+                direct,
+                ..options(2, 1 << 20)
+            },
+        )
+        .unwrap();
         let on_disk = fs::metadata(&target).unwrap().blocks() * 512;
         if direct {
             assert!(stats.direct_bytes > 0, "{stats:?}");
