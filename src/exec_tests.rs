@@ -896,7 +896,7 @@ fn direct_targets_are_allocated_before_the_copy() {
     }
     let n: u64 = 1 << 20; // 4 MiB of f32
     let data: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
-    let sources = write_data(dir.path(), "src", &[data.clone()]);
+    let sources = write_data(dir.path(), "src", std::slice::from_ref(&data));
     let (dst_off, size) = (8 << 20, 16 << 20); // written: [8, 12) MiB of 16
     for direct in [true, false] {
         let target = dir.path().join(format!("dst-{direct}"));
