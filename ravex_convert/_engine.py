@@ -84,6 +84,10 @@ class SourceTable:
 
     def chunk(self, c: Chunk) -> tuple[Any, ...]:
         """``(source index, byte offset, region, dtype)`` for the executor."""
+        if c.data is None and c.compression is None and c.file is not None:  # the usual chunk: a range of a file
+            i = self._paths.get(str(c.file))
+            if i is not None:
+                return (i, c.offset, c.region.to_core(), c.dtype)
         if c.data is None and c.compression == "zstd":
             i = len(self.sources)
             self.sources.append(b"")

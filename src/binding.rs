@@ -32,6 +32,37 @@ type RunTuple = (usize, usize, u64, u64, u64);
 
 const REGION_FORMS: &str = "('box', offsets, sizes) or ('flat', start, length)";
 
+/// Where a value sits in a call's arguments, for error messages: built from
+/// borrowed parts while the arguments are walked, and formatted only when an
+/// error needs it. (Formatting it eagerly, a few `format!`s per chunk, was
+/// most of the time pyo3 took to hand a large job over.)
+#[derive(Clone, Copy)]
+enum At<'a> {
+    Arg(&'a str),
+    Index(&'a At<'a>, usize),
+    Field(&'a At<'a>, &'static str),
+}
+
+impl<'a> At<'a> {
+    fn at(&'a self, i: usize) -> At<'a> {
+        At::Index(self, i)
+    }
+
+    fn field(&'a self, name: &'static str) -> At<'a> {
+        At::Field(self, name)
+    }
+}
+
+impl std::fmt::Display for At<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            At::Arg(name) => f.write_str(name),
+            At::Index(at, i) => write!(f, "{at}[{i}]"),
+            At::Field(at, name) => write!(f, "{at} {name}"),
+        }
+    }
+}
+
 /// `repr(obj)`, cut short: enough to recognise the value in an error message.
 fn show(obj: &Bound<'_, PyAny>) -> String {
     let text = obj
@@ -43,7 +74,7 @@ fn show(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
-fn non_negative_int(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+fn non_negative_int(obj: &Bound<'_, PyAny>, what: At<'_>) -> PyResult<u64> {
     obj.extract::<u64>().map_err(|_| {
         PyValueError::new_err(format!(
             "{what} must be a non-negative int, got {}",
@@ -52,7 +83,7 @@ fn non_negative_int(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     })
 }
 
-fn non_negative_ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+fn non_negative_ints(obj: &Bound<'_, PyAny>, what: At<'_>) -> PyResult<Vec<u64>> {
     // pyo3 refuses a str here rather than reading its characters.
     let items: Vec<Bound<'_, PyAny>> = obj.extract().map_err(|_| {
         PyValueError::new_err(format!("{what} must be a list of ints, got {}", show(obj)))
@@ -60,11 +91,11 @@ fn non_negative_ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
     items
         .iter()
         .enumerate()
-        .map(|(i, x)| non_negative_int(x, &format!("{what}[{i}]")))
+        .map(|(i, x)| non_negative_int(x, what.at(i)))
         .collect()
 }
 
-fn region(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Region> {
+fn region(obj: &Bound<'_, PyAny>, what: At<'_>) -> PyResult<Region> {
     let bad = || PyValueError::new_err(format!("{what} must be {REGION_FORMS}, got {}", show(obj)));
     let tuple = obj.cast::<PyTuple>().map_err(|_| bad())?;
     if tuple.len() != 3 {
@@ -74,18 +105,18 @@ fn region(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Region> {
     let (a, b) = (tuple.get_item(1)?, tuple.get_item(2)?);
     match kind.as_str() {
         "box" => Ok(Region::Box {
-            offsets: non_negative_ints(&a, &format!("{what} offsets"))?,
-            sizes: non_negative_ints(&b, &format!("{what} sizes"))?,
+            offsets: non_negative_ints(&a, what.field("offsets"))?,
+            sizes: non_negative_ints(&b, what.field("sizes"))?,
         }),
         "flat" => Ok(Region::Flat {
-            start: non_negative_int(&a, &format!("{what} start"))?,
-            len: non_negative_int(&b, &format!("{what} length"))?,
+            start: non_negative_int(&a, what.field("start"))?,
+            len: non_negative_int(&b, what.field("length"))?,
         }),
         _ => Err(bad()),
     }
 }
 
-fn chunks(list: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Chunk>> {
+fn chunks(list: &Bound<'_, PyAny>, what: At<'_>) -> PyResult<Vec<Chunk>> {
     let items: Vec<Bound<'_, PyAny>> = list.extract().map_err(|_| {
         PyValueError::new_err(format!(
             "{what} must be a list of regions, got {}",
@@ -98,7 +129,7 @@ fn chunks(list: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Chunk>> {
         .map(|(id, x)| {
             Ok(Chunk {
                 id,
-                region: region(x, &format!("{what}[{id}]"))?,
+                region: region(x, what.at(id))?,
             })
         })
         .collect()
@@ -118,9 +149,9 @@ fn plan_runs(
     sources: &Bound<'_, PyAny>,
     targets: &Bound<'_, PyAny>,
 ) -> PyResult<Vec<RunTuple>> {
-    let shape = non_negative_ints(global_shape, "global_shape")?;
-    let sources = chunks(sources, "sources")?;
-    let targets = chunks(targets, "targets")?;
+    let shape = non_negative_ints(global_shape, At::Arg("global_shape"))?;
+    let sources = chunks(sources, At::Arg("sources"))?;
+    let targets = chunks(targets, At::Arg("targets"))?;
     let plans = py
         .detach(|| plan(&shape, &sources, &targets))
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
@@ -232,7 +263,7 @@ fn path_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PathBuf> {
     })
 }
 
-fn list<'py>(obj: &Bound<'py, PyAny>, what: &str, of: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
+fn list<'py>(obj: &Bound<'py, PyAny>, what: At<'_>, of: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
     obj.extract().map_err(|_| {
         PyValueError::new_err(format!("{what} must be a list of {of}, got {}", show(obj)))
     })
@@ -315,7 +346,7 @@ fn sources_arg<'a>(
         .collect()
 }
 
-fn dtype_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<DType> {
+fn dtype_arg(obj: &Bound<'_, PyAny>, what: At<'_>) -> PyResult<DType> {
     let name: String = obj.extract().map_err(|_| {
         PyValueError::new_err(format!(
             "{what} must be a dtype name (str), got {}",
@@ -326,29 +357,29 @@ fn dtype_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<DType> {
         .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))
 }
 
-fn index_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+fn index_arg(obj: &Bound<'_, PyAny>, what: At<'_>) -> PyResult<usize> {
     let v = non_negative_int(obj, what)?;
     usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{what} is too large: {v}")))
 }
 
 /// `(file index, byte offset, region, dtype)` tuples.
-fn file_chunks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<ChunkRef>> {
+fn file_chunks(obj: &Bound<'_, PyAny>, what: At<'_>) -> PyResult<Vec<ChunkRef>> {
     const FORM: &str = "(file index, byte offset, region, dtype) tuples";
     list(obj, what, FORM)?
         .iter()
         .enumerate()
         .map(|(i, x)| {
-            let what = format!("{what}[{i}]");
+            let what = what.at(i);
             let bad = || PyValueError::new_err(format!("{what} must be {FORM}, got {}", show(x)));
             let t = x.cast::<PyTuple>().map_err(|_| bad())?;
             if t.len() != 4 {
                 return Err(bad());
             }
             Ok(ChunkRef {
-                file: index_arg(&t.get_item(0)?, &format!("{what} file index"))?,
-                offset: non_negative_int(&t.get_item(1)?, &format!("{what} byte offset"))?,
-                region: region(&t.get_item(2)?, &format!("{what} region"))?,
-                dtype: dtype_arg(&t.get_item(3)?, &format!("{what} dtype"))?,
+                file: index_arg(&t.get_item(0)?, what.field("file index"))?,
+                offset: non_negative_int(&t.get_item(1)?, what.field("byte offset"))?,
+                region: region(&t.get_item(2)?, what.field("region"))?,
+                dtype: dtype_arg(&t.get_item(3)?, what.field("dtype"))?,
             })
         })
         .collect()
@@ -356,10 +387,12 @@ fn file_chunks(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<ChunkRef>> {
 
 fn tensors_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<TensorJob>> {
     const FORM: &str = "(shape, src_chunks, dst_chunks) tuples";
-    list(obj, "tensors", FORM)?
+    let tensors = At::Arg("tensors");
+    list(obj, tensors, FORM)?
         .iter()
         .enumerate()
         .map(|(i, x)| {
+            let what = tensors.at(i);
             let bad =
                 || PyValueError::new_err(format!("tensors[{i}] must be {FORM}, got {}", show(x)));
             let t = x.cast::<PyTuple>().map_err(|_| bad())?;
@@ -367,9 +400,9 @@ fn tensors_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<TensorJob>> {
                 return Err(bad());
             }
             Ok(TensorJob {
-                shape: non_negative_ints(&t.get_item(0)?, &format!("tensors[{i}] shape"))?,
-                src_chunks: file_chunks(&t.get_item(1)?, &format!("tensors[{i}] src_chunks"))?,
-                dst_chunks: file_chunks(&t.get_item(2)?, &format!("tensors[{i}] dst_chunks"))?,
+                shape: non_negative_ints(&t.get_item(0)?, what.field("shape"))?,
+                src_chunks: file_chunks(&t.get_item(1)?, what.field("src_chunks"))?,
+                dst_chunks: file_chunks(&t.get_item(2)?, what.field("dst_chunks"))?,
             })
         })
         .collect()
@@ -492,9 +525,9 @@ fn execute<'py>(
         writeback,
         direct,
     };
-    let items = list(sources, "sources", "paths or bytes")?;
+    let items = list(sources, At::Arg("sources"), "paths or bytes")?;
     let held = held_buffers(&items)?;
-    let outs = list(targets, "targets", "paths or writable buffers")?;
+    let outs = list(targets, At::Arg("targets"), "paths or writable buffers")?;
     let held_outs = held_targets(&outs)?;
     let job = Job {
         sources: sources_arg(&items, &held)?,
@@ -507,8 +540,8 @@ fn execute<'py>(
             .map_err(py_err)?;
         return stats_dict(py, &stats);
     }
-    let ranges = ranges_arg(py, crc_ranges, "crc_ranges")?;
-    let to_hash = ranges_arg(py, hash_ranges, "hash_ranges")?;
+    let ranges = ranges_arg(py, crc_ranges, At::Arg("crc_ranges"))?;
+    let to_hash = ranges_arg(py, hash_ranges, At::Arg("hash_ranges"))?;
     let want_crcs = crc_ranges.is_some() || read_crcs;
     let (stats, crcs, parts, read, hashes) = py
         .detach(|| {
@@ -543,7 +576,7 @@ fn execute<'py>(
 fn ranges_arg(
     py: Python<'_>,
     arg: Option<&Bound<'_, PyAny>>,
-    what: &str,
+    what: At<'_>,
 ) -> PyResult<Vec<(usize, u64, u64)>> {
     let empty = PyList::empty(py);
     list(
@@ -561,10 +594,11 @@ fn ranges_arg(
                     show(x)
                 ))
             })?;
+        let at = what.at(i);
         Ok((
-            index_arg(&t, &format!("{what}[{i}] target"))?,
-            non_negative_int(&o, &format!("{what}[{i}] offset"))?,
-            non_negative_int(&l, &format!("{what}[{i}] length"))?,
+            index_arg(&t, at.field("target"))?,
+            non_negative_int(&o, at.field("offset"))?,
+            non_negative_int(&l, at.field("length"))?,
         ))
     })
     .collect()
@@ -597,9 +631,9 @@ fn plan_summary<'py>(
         writeback: false,
         direct: false,
     };
-    let items = list(sources, "sources", "paths or bytes")?;
+    let items = list(sources, At::Arg("sources"), "paths or bytes")?;
     let held = held_buffers(&items)?;
-    let outs = list(targets, "targets", "paths or writable buffers")?;
+    let outs = list(targets, At::Arg("targets"), "paths or writable buffers")?;
     let held_outs = held_targets(&outs)?;
     let job = Job {
         sources: sources_arg(&items, &held)?,
@@ -624,7 +658,7 @@ fn checksum_ranges(
     algo: &str,
 ) -> PyResult<Vec<u64>> {
     let path = path_arg(path, "path")?;
-    let ranges = list(ranges, "ranges", "(offset, length) tuples")?
+    let ranges = list(ranges, At::Arg("ranges"), "(offset, length) tuples")?
         .iter()
         .enumerate()
         .map(|(i, x)| {
@@ -635,8 +669,8 @@ fn checksum_ranges(
                 ))
             })?;
             Ok((
-                non_negative_int(&o, &format!("ranges[{i}] offset"))?,
-                non_negative_int(&l, &format!("ranges[{i}] length"))?,
+                non_negative_int(&o, At::Arg("ranges").at(i).field("offset"))?,
+                non_negative_int(&l, At::Arg("ranges").at(i).field("length"))?,
             ))
         })
         .collect::<PyResult<Vec<_>>>()?;
@@ -772,12 +806,12 @@ fn compare<'py>(
     rtol: f64,
     exact: bool,
 ) -> PyResult<(u64, Option<u64>, f64)> {
-    let items = list(sources, "sources", "paths or bytes")?;
+    let items = list(sources, At::Arg("sources"), "paths or bytes")?;
     let held = held_buffers(&items)?;
     let sources = sources_arg(&items, &held)?;
-    let shape = non_negative_ints(shape, "shape")?;
-    let a = file_chunks(a_chunks, "a_chunks")?;
-    let b = file_chunks(b_chunks, "b_chunks")?;
+    let shape = non_negative_ints(shape, At::Arg("shape"))?;
+    let a = file_chunks(a_chunks, At::Arg("a_chunks"))?;
+    let b = file_chunks(b_chunks, At::Arg("b_chunks"))?;
     let tol = Tolerance { atol, rtol, exact };
     let c = py
         .detach(|| compare_impl(&sources, &shape, &a, &b, tol))
@@ -823,8 +857,10 @@ fn dcp_leaf(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<Leaf> {
         }
     };
     let dtype: String = t.get_item(3)?.extract().map_err(|_| bad())?;
-    let shape = non_negative_ints(&t.get_item(4)?, &format!("{what} shape"))?;
-    let totals = non_negative_ints(&t.get_item(5)?, &format!("{what} totals"))?;
+    let leaves = At::Arg("leaves");
+    let at = leaves.at(i);
+    let shape = non_negative_ints(&t.get_item(4)?, at.field("shape"))?;
+    let totals = non_negative_ints(&t.get_item(5)?, at.field("totals"))?;
     let totals: [u64; 3] = totals
         .try_into()
         .map_err(|_| PyValueError::new_err(format!("{what} totals must be three ints")))?;
@@ -860,7 +896,7 @@ impl DcpLayout {
     /// full, the last (shorter) and an empty shard (kinds 1 and 2: the first).
     #[new]
     fn new(py: Python<'_>, leaves: &Bound<'_, PyAny>, world_size: usize) -> PyResult<Self> {
-        let objs = list(leaves, "leaves", "tuples")?;
+        let objs = list(leaves, At::Arg("leaves"), "tuples")?;
         let leaves = objs
             .iter()
             .enumerate()

@@ -75,3 +75,23 @@ def test_package_version_is_the_compiled_modules() -> None:
 
     assert ravex_convert.__version__ == _core.__version__ == importlib.metadata.version("ravex")
 
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"src": [(0, 0, ("flat", -5, 2), "float32")]}, "tensors[0] src_chunks[0] region start must be a non-negative int, got -5"),
+    ({"src": [(0, 0, ("flat", 0, 1), "float32"), (0, 4, ("box", [1, "x"], [1]), "float32")]},
+     "tensors[0] src_chunks[1] region offsets[1] must be a non-negative int, got 'x'"),
+    ({"dst": [(0, 0, ("flat", 0, 2), 16)]}, "tensors[0] dst_chunks[0] dtype must be a dtype name (str), got 16"),
+    ({"shape": [2, -1]}, "tensors[0] shape[1] must be a non-negative int, got -1"),
+    ({"crc": [(0, 0, 4), (0, -1, 4)]}, "crc_ranges[1] offset must be a non-negative int, got -1"),
+])
+def test_a_malformed_argument_is_named_by_where_it_sits(tmp_path: Path, bad: dict[str, object], message: str) -> None:
+    # The place of a bad value is spelled out in the error (it is built only when one is raised).
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"\0" * 8)
+    src = bad.get("src", [(0, 0, ("flat", 0, 2), "float32")])
+    dst = bad.get("dst", [(0, 0, ("flat", 0, 2), "float32")])
+    tensor = (bad.get("shape", [2]), src, dst)
+    with pytest.raises(ValueError) as err:
+        _core.execute([b"\0" * 8], [str(target)], [tensor], crc_ranges=bad.get("crc"))
+    assert str(err.value) == message
