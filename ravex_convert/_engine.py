@@ -84,32 +84,28 @@ class SourceTable:
 
     def chunk(self, c: Chunk) -> tuple[Any, ...]:
         """``(source index, byte offset, region, dtype)`` for the executor."""
-        if c.data is None and c.compression is None and c.file is not None:  # the usual chunk: a range of a file
-            i = self._paths.get(str(c.file))
-            if i is not None:
-                return (i, c.offset, c.region.to_core(), c.dtype)
-        if c.data is None and c.compression == "zstd":
+        if c.data is not None:  # inline bytes
+            if len(c.data) != c.nbytes:
+                raise CorruptCheckpointError(f"a chunk holds {len(c.data)} bytes, expected {c.nbytes}")
+            self.sources.append(c.data)
+            return (len(self.sources) - 1, 0, c.region.to_core(), c.dtype)
+        if c.compression == "zstd":
             i = len(self.sources)
             self.sources.append(b"")
             self._zstd[i] = c
             if not self.defer:
                 self.decode([i])
-            return (i, 0, core_region(c.region), c.dtype)
-        data = source_bytes(c)
-        if data is not None:
-            if len(data) != c.nbytes:
-                raise CorruptCheckpointError(f"a chunk holds {len(data)} bytes, expected {c.nbytes}")
-            self.sources.append(data)
-            return (len(self.sources) - 1, 0, core_region(c.region), c.dtype)
+            return (i, 0, c.region.to_core(), c.dtype)
         if c.file is None:
             raise RavexError("a chunk has neither a file nor data")
-        key = str(c.file)
-        if key not in self._paths:
+        key = str(c.file)  # the usual chunk: a range of a file, listed once
+        listed = self._paths.get(key)
+        if listed is None:
             if not c.file.is_file():
                 raise IncompleteCheckpointError(f"{c.file}: missing", hint="copy the whole checkpoint", path=c.file)
-            self._paths[key] = len(self.sources)
+            listed = self._paths[key] = len(self.sources)
             self.sources.append(key)
-        return (self._paths[key], c.offset, core_region(c.region), c.dtype)
+        return (listed, c.offset, c.region.to_core(), c.dtype)
 
     @property
     def files(self) -> int:

@@ -393,8 +393,7 @@ fn tensors_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<TensorJob>> {
         .enumerate()
         .map(|(i, x)| {
             let what = tensors.at(i);
-            let bad =
-                || PyValueError::new_err(format!("tensors[{i}] must be {FORM}, got {}", show(x)));
+            let bad = || PyValueError::new_err(format!("{what} must be {FORM}, got {}", show(x)));
             let t = x.cast::<PyTuple>().map_err(|_| bad())?;
             if t.len() != 3 {
                 return Err(bad());
@@ -668,9 +667,11 @@ fn checksum_ranges(
                     show(x)
                 ))
             })?;
+            let ranges = At::Arg("ranges");
+            let at = ranges.at(i);
             Ok((
-                non_negative_int(&o, At::Arg("ranges").at(i).field("offset"))?,
-                non_negative_int(&l, At::Arg("ranges").at(i).field("length"))?,
+                non_negative_int(&o, at.field("offset"))?,
+                non_negative_int(&l, at.field("length"))?,
             ))
         })
         .collect::<PyResult<Vec<_>>>()?;
@@ -820,7 +821,8 @@ fn compare<'py>(
 }
 
 fn dcp_leaf(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<Leaf> {
-    let what = format!("leaves[{i}]");
+    let leaves = At::Arg("leaves");
+    let what = leaves.at(i);
     let bad = || {
         PyValueError::new_err(format!(
             "{what} must be (key, path, kind, dtype, shape, totals), got {}",
@@ -857,10 +859,8 @@ fn dcp_leaf(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<Leaf> {
         }
     };
     let dtype: String = t.get_item(3)?.extract().map_err(|_| bad())?;
-    let leaves = At::Arg("leaves");
-    let at = leaves.at(i);
-    let shape = non_negative_ints(&t.get_item(4)?, at.field("shape"))?;
-    let totals = non_negative_ints(&t.get_item(5)?, at.field("totals"))?;
+    let shape = non_negative_ints(&t.get_item(4)?, what.field("shape"))?;
+    let totals = non_negative_ints(&t.get_item(5)?, what.field("totals"))?;
     let totals: [u64; 3] = totals
         .try_into()
         .map_err(|_| PyValueError::new_err(format!("{what} totals must be three ints")))?;

@@ -707,8 +707,11 @@ fn start_writeback(_file: &File, _offset: u64, _len: u64) {}
 /// ext4 a direct write that must allocate blocks holds the inode lock
 /// exclusively, so two copy threads writing one file reach the device one
 /// at a time; a direct write into allocated blocks takes it shared. Measured
-/// on this project's VM, 5 GB DCP -> torch_save durable, 7 interleaved
-/// pairs: median 2.40 s with the blocks allocated, 2.94 s without. Refused
+/// on this project's VM against the build before, 5 GB DCP -> torch_save
+/// durable, 6 interleaved rounds in a slow-disk phase: 7.8-10.7 s with the
+/// blocks allocated, 10.2-13.0 s without (docs/convert.md). Each executor
+/// call allocates its targets again; over blocks already allocated that is
+/// one cheap call per file. Refused
 /// (`EOPNOTSUPP`, a file system without it) -> the file stays sparse; never
 /// `posix_fallocate`, which glibc emulates by writing zeros.
 #[cfg(target_os = "linux")]
