@@ -21,11 +21,7 @@ from ._output import direct_io, durable, fsync_dir
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
 
-__all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "chunk_bytes", "core_region", "flat_range", "page_residue", "read_into", "read_many", "source_bytes", "vote_residue"]
-
-
-def core_region(region: Region) -> tuple[Any, ...]:
-    return region.to_core()
+__all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "chunk_bytes", "flat_range", "page_residue", "read_into", "read_many", "source_bytes", "vote_residue"]
 
 
 def source_bytes(chunk: Chunk) -> bytes | memoryview | None:
@@ -188,7 +184,7 @@ class CopyJob:
                 # elements reach that part, so a rank's job does not list every rank's chunks
                 chunks = [c for c in chunks if (cs := span(c.region, tensor.shape)) is not None and cs[0] < hi and cs[1] > lo]
         src = [self.table.chunk(c) for c in chunks]
-        dst = [(t.file, t.offset, core_region(t.region), t.dtype) for t in targets]
+        dst = [(t.file, t.offset, t.region.to_core(), t.dtype) for t in targets]
         self.tensors.append((list(tensor.shape), src, dst))
         self.names.append(tensor.name)
 
