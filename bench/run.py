@@ -21,7 +21,13 @@ first on PYTHONPATH for every command, so a reinstall by other work mid-run cann
 
 Method: warm page cache (the input was just written and is read once by the untimed warm-up run
 of every command; nothing is dropped from the cache); each command once untimed, then 3 timed
-runs, round-robin over the commands; medians reported with [min-max]. Every output is deleted
+runs, round-robin over the commands; medians reported with [min-max]. Paired floors: in every
+timed round each Ravex command is also timed right beside its own floor (``cp -r && sync -f`` for
+a durable command, ``cp -r`` for ``--no-sync``; the floor first in rounds 1 and 3, second in
+round 2), and the issue-13 targets are judged on the median of those per-round ratios, so a
+swing of the VM's disk between one part of a round and another does not count as Ravex's (or
+cp's) own. After each reference run, ``sync -f`` of its output is timed on its own (the
+references do not fsync), giving a like-for-like durable time for them. Every output is deleted
 right after its run, then ``sync`` runs (outside the timing) so one run's write-back does not
 bill the next. torch threads are fixed: OMP_NUM_THREADS=MKL_NUM_THREADS=2 for every command and
 ``torch.set_num_threads(2)`` in the reference tools' processes (bench/_ref.py); Ravex's executor
@@ -379,6 +385,8 @@ def cases_for(kind: str, src: str, work: str) -> list[Case]:
 
 # like-for-like pairs for the >= 3x target: reference -> the Ravex command writing the same content
 TARGET_PAIRS = {"z2f_st": "ravex_st", "z2f_bin": "ravex_st", "dcp2ts": "ravex_pt"}
+# each Ravex command's paired floor: the copy with the same guarantee
+PAIRED_FLOOR = {**{k: "cp_sync" for k in DURABLE_KEYS}, **{k: "cp" for k in NOSYNC_KEYS}}
 
 
 def check_output(case: Case) -> bool:
@@ -394,6 +402,9 @@ def bench_checkpoint(kind: str, src: str, work: str, logf, a, res: dict) -> None
     env = bench_env()
     cases = cases_for(kind, src, work)
     runs: dict[str, list[Run]] = {c.key: [] for c in cases}
+    paired: dict[str, list[float]] = {c.key: [] for c in cases if c.key in PAIRED_FLOOR}  # the floor's wall beside each timed run
+    sync_after: dict[str, list[float]] = {c.key: [] for c in cases if c.role == "ref"}  # sync -f of a reference's output
+    by_key = {c.key: c for c in cases}
     warm: dict[str, Run] = {}
     out_bytes: dict[str, int] = {}
     waits: list[float] = []
@@ -403,10 +414,17 @@ def bench_checkpoint(kind: str, src: str, work: str, logf, a, res: dict) -> None
         for c in cases:
             if c.key in failed:
                 continue
+            floor = by_key.get(PAIRED_FLOOR.get(c.key, ""))
+            if rnd > 0 and floor is not None and rnd % 2 == 1:
+                paired[c.key].append(time_floor(floor, a, env, logf))
             if rnd > 0:
                 waits.append(wait_idle(a.max_idle_wait))
             r = measure(c.argv, env, logf)
             ok = r.rc == 0 and check_output(c)
+            if ok and c.role == "ref" and rnd > 0:
+                t = time.perf_counter()
+                subprocess.run(["sync", "-f", c.dst], check=False)
+                sync_after[c.key].append(time.perf_counter() - t)
             if rnd == 0:
                 warm[c.key] = r
                 out_bytes[c.key] = path_bytes(c.dst) if ok else 0
@@ -422,6 +440,8 @@ def bench_checkpoint(kind: str, src: str, work: str, logf, a, res: dict) -> None
                 failed[c.key] = f"exit {r.rc}" + ("" if os.path.exists(c.dst) else ", no output")
                 if not a.keep_going:
                     raise RuntimeError(f"{c.label} failed on {src} ({failed[c.key]}); see {logf.name}")
+            elif rnd > 0 and floor is not None and rnd % 2 == 0:
+                paired[c.key].append(time_floor(floor, a, env, logf))
     entry = res.setdefault("inputs", {}).setdefault(kind, {})
     entry["cases"] = {}
     for c in cases:
@@ -434,6 +454,11 @@ def bench_checkpoint(kind: str, src: str, work: str, logf, a, res: dict) -> None
             "cpu_s": [r.cpu_s for r in rs], "other_cpu": [r.other_cpu for r in rs], "samples": [r.samples for r in rs],
             "steal_s": [r.steal_s for r in rs],
         }
+        if c.key in paired:
+            entry["cases"][c.key]["paired_floor"] = PAIRED_FLOOR[c.key]
+            entry["cases"][c.key]["paired_floor_wall"] = paired[c.key]
+        if c.key in sync_after:
+            entry["cases"][c.key]["sync_after_s"] = sync_after[c.key]
     entry["idle_wait_s"] = waits
     # where Ravex's time goes (untimed diagnostic, one run each)
     entry["phases"] = {}
@@ -452,6 +477,18 @@ def bench_checkpoint(kind: str, src: str, work: str, logf, a, res: dict) -> None
     # ravex inspect of the big checkpoint
     entry["inspect"] = time_inspect(src, env, logf)
     log(f"  {kind:5} ravex inspect: median {statistics.median(entry['inspect']['wall']):.3f} s")
+
+
+def time_floor(floor: Case, a, env: dict, logf) -> float:
+    """One run of ``floor`` (a copy of the input), timed right beside a Ravex run; its output deleted and synced."""
+    wait_idle(a.max_idle_wait)
+    r = measure(floor.argv, env, logf)
+    rm(floor.dst)
+    os.sync()
+    if r.rc != 0:
+        raise RuntimeError(f"{floor.label} failed (exit {r.rc}); see {logf.name}")
+    log(f"        paired {floor.label:29} {r.wall:7.2f} s")
+    return r.wall
 
 
 def shorten(x: str, src: str, work: str) -> str:
@@ -548,6 +585,33 @@ def fmt_gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def paired_ratios(case: dict) -> list[float]:
+    """A Ravex command's wall over its paired floor's, round by round (empty for results without pairs)."""
+    w, f = case.get("wall", []), case.get("paired_floor_wall", [])
+    return [x / y for x, y in zip(w, f)] if w and len(w) == len(f) else []
+
+
+def fmt_ratio(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f}x [{min(xs):.2f}–{max(xs):.2f}]"
+
+
+def ref_ratios(cs: dict, ref: str) -> list[tuple[str, float]]:
+    """The reference's speed against Ravex three ways: as the issue states it (reference / durable
+    Ravex), durable against durable (reference + its ``sync -f`` / durable Ravex), and unsynced
+    against unsynced (reference / Ravex ``--no-sync``)."""
+    rv = TARGET_PAIRS[ref]
+    r, v, ns = cs.get(ref, {}), cs.get(rv, {}), cs.get(rv + "_ns", {})
+    if not (r.get("wall") and v.get("wall")):
+        return []
+    out = [("", med(r["wall"]) / med(v["wall"]))]
+    syncs = r.get("sync_after_s", [])
+    if len(syncs) == len(r["wall"]):
+        out.append(("with sync -f", med([w + x for w, x in zip(r["wall"], syncs)]) / med(v["wall"])))
+    if ns.get("wall"):
+        out.append(("vs --no-sync", med(r["wall"]) / med(ns["wall"])))
+    return out
+
+
 def evaluate(res: dict) -> list[dict]:
     """One row per target check: {what, value, target, met, note}."""
     checks: list[dict] = []
@@ -565,12 +629,16 @@ def evaluate(res: dict) -> list[dict]:
                     checks.append({"what": f"{size} GB {kind}: {c['label']}", "value": "failed", "target": "", "met": False})
                     continue
                 w = med(c["wall"])
-                if key in DURABLE_KEYS and d:
-                    checks.append({"what": f"{size} GB {kind}: {c['label']} / cp -r && sync -f", "value": f"{w / d:.2f}x",
-                                   "target": f"<= {T_DURABLE}x", "met": w / d <= T_DURABLE})
-                if key in NOSYNC_KEYS and cp:
-                    checks.append({"what": f"{size} GB {kind}: {c['label']} / cp -r", "value": f"{w / cp:.2f}x",
-                                   "target": f"<= {T_NOSYNC}x", "met": w / cp <= T_NOSYNC})
+                pr = paired_ratios(c)
+                for keys, floor, base, target in ((DURABLE_KEYS, "cp -r && sync -f", d, T_DURABLE), (NOSYNC_KEYS, "cp -r", cp, T_NOSYNC)):
+                    if key not in keys or not (pr or base):
+                        continue
+                    if pr:  # judged on the paired ratios; the ratio of medians beside it
+                        value = f"{fmt_ratio(pr)} paired" + (f" ({w / base:.2f}x of medians)" if base else "")
+                        met = statistics.median(pr) <= target
+                    else:
+                        value, met = f"{w / base:.2f}x", w / base <= target
+                    checks.append({"what": f"{size} GB {kind}: {c['label']} / {floor}", "value": value, "target": f"<= {target}x", "met": met})
                 if key in DURABLE_KEYS and cp:
                     checks.append({"what": f"(issue 2) {size} GB {kind}: {c['label']} / cp -r", "value": f"{w / cp:.2f}x",
                                    "target": f"<= {T_CP_RATIO}x", "met": w / cp <= T_CP_RATIO})
@@ -578,10 +646,9 @@ def evaluate(res: dict) -> list[dict]:
                 checks.append({"what": f"{size} GB {kind}: {c['label']} peak RssAnon", "value": f"{anon:.0f} MiB",
                                "target": f"<= {T_ANON_MIB} MiB", "met": anon <= T_ANON_MIB})
             for ref, rv in TARGET_PAIRS.items():
-                if ref in cs and rv in cs and cs[ref]["wall"] and cs[rv]["wall"]:
-                    r = med(cs[ref]["wall"]) / med(cs[rv]["wall"])
-                    checks.append({"what": f"{size} GB {kind}: {cs[ref]['label']} / {cs[rv]['label']}", "value": f"{r:.2f}x",
-                                   "target": f">= {T_REF_SPEEDUP}x", "met": r >= T_REF_SPEEDUP})
+                for how, r in ref_ratios(cs, ref):
+                    checks.append({"what": f"{size} GB {kind}: {cs[ref]['label']} / {cs[rv]['label']}" + (f" ({how})" if how else ""),
+                                   "value": f"{r:.2f}x", "target": f">= {T_REF_SPEEDUP}x", "met": r >= T_REF_SPEEDUP})
     # same peak at both sizes
     keys = sorted(sizes, key=float)
     if len(keys) >= 2:
@@ -620,19 +687,21 @@ def table_rows(res: dict) -> list[list[str]]:
                 r_cp = f"{w / cp:.2f}x" if (w and cp and key != "cp" and c["role"] != "ref") else ""
                 r_d = f"{w / d:.2f}x" if (w and d and key in DURABLE_KEYS) else ""
                 r_ref = ""
-                if c["role"] == "ref" and key in TARGET_PAIRS and cs.get(TARGET_PAIRS[key], {}).get("wall") and w:
-                    r_ref = f"{w / med(cs[TARGET_PAIRS[key]]['wall']):.2f}x"
+                if c["role"] == "ref" and key in TARGET_PAIRS and w:
+                    r_ref = "; ".join(f"{how + ' ' if how else ''}{r:.2f}x" for how, r in ref_ratios(cs, key))
+                pr = paired_ratios(c)
+                r_pair = f"{fmt_ratio(pr)} ÷ {'cp -r && sync -f' if c.get('paired_floor') == 'cp_sync' else 'cp -r'}" if pr else ""
                 if c.get("failed"):
-                    rows.append([inp, c["label"], "—", f"FAILED ({c['failed']})", "", "", "", "", "", ""])
+                    rows.append([inp, c["label"], "—", f"FAILED ({c['failed']})", "", "", "", "", "", "", ""])
                     continue
                 cpu = f"{statistics.median(c['cpu_s']):.2f} s" if c.get("cpu_s") else "—"
                 rows.append([inp, c["label"], fmt_gb(c["out_bytes"]), fmt_s(c["wall"]), cpu, fmt_mib(c["peak_anon_kb"]),
-                             fmt_mib(c["maxrss_kb"]), r_cp, r_d, r_ref])
+                             fmt_mib(c["maxrss_kb"]), r_cp, r_d, r_pair, r_ref])
     return rows
 
 
 HEAD = ["input", "command", "output", "wall: median [min–max]", "CPU (user+sys)", "peak RssAnon", "max RSS", "÷ cp -r", "÷ cp -r && sync -f",
-        "ref / ravex"]
+        "paired: ÷ floor beside it", "ref / ravex"]
 
 
 def md_table(head: list[str], rows: list[list[str]]) -> str:
@@ -714,9 +783,16 @@ def render(res: dict) -> str:
              "**CPU**: median user+sys seconds of the process tree (`wait4`). "
              "**÷ cp -r**: median wall time over the median of `cp -r` of the same input (the ravex / cp ratio; also shown "
              "for the other floors). **÷ cp -r && sync -f**: a durable Ravex command's median over the durable copy's (like for "
-             "like: both have the output on disk when they return). **ref / ravex**: the "
+             "like: both have the output on disk when they return). **paired**: in each timed round the Ravex command "
+             "was also timed right beside its own floor (`cp -r && sync -f` for a durable command, `cp -r` for `--no-sync`; "
+             "the floor first in rounds 1 and 3, second in round 2); the median [min–max] of those per-round ratios. The "
+             "issue-13 targets are judged on it: the VM's disk speed swings within minutes, and a ratio of medians taken "
+             "minutes apart measures the swing as much as the code. **ref / ravex**: the "
              "reference tool's median over the Ravex command writing the same content (zero_to_fp32 → `--to "
-             "safetensors`: fp32 weights only; dcp_to_torch_save → `--to torch_save`: weights + optimizer state).")
+             "safetensors`: fp32 weights only; dcp_to_torch_save → `--to torch_save`: weights + optimizer state), "
+             "as issue 2 states it (over durable Ravex); *with sync -f*: the reference plus a `sync -f` of its output "
+             "timed right after it (the references do not fsync), over durable Ravex; *vs --no-sync*: the reference over "
+             "Ravex `--no-sync` (neither waits for the disk).")
     L.append("")
     L.append(md_table(HEAD, table_rows(res)))
     L.append("")
@@ -816,13 +892,19 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
                 if "copy" in e.get("phases", {}).get(key, {}) and e["cases"].get("cp", {}).get("wall")]
 
     dd = ratios("dd", "cp")
+    def paired(key: str) -> list[float]:
+        return [statistics.median(pr) for _, _, e in inputs if (pr := paired_ratios(e["cases"].get(key, {})))]
+
     per_format = []
     for k, to, *_ in RAVEX_FORMATS:
         dur, ns = ratios(f"ravex_{k}", "cp_sync"), ratios(f"ravex_{k}_ns", "cp")
+        pd, pn = paired(f"ravex_{k}"), paired(f"ravex_{k}_ns")
         if dur and ns:
-            per_format.append(f"`--to {to}` {_rng(dur)}x durable / {_rng(ns)}x no-sync")
+            per_format.append(f"`--to {to}` {_rng(dur)}x durable / {_rng(ns)}x no-sync"
+                              + (f" (paired medians {_rng(pd)}x / {_rng(pn)}x)" if pd and pn else ""))
     if per_format:
-        text = ("**Ravex against its floors** (durable over `cp -r && sync -f`, `--no-sync` over `cp -r`, over the inputs): "
+        text = ("**Ravex against its floors** (durable over `cp -r && sync -f`, `--no-sync` over `cp -r`, ratio of medians "
+                "over the inputs, paired ratios in brackets): "
                 + "; ".join(per_format) + ". `cp -r` (coreutils 9, `copy_file_range`) copies page cache to page cache inside "
                 "the kernel and returns with the output still dirty in memory; at 5 GB it crosses the kernel's dirty-page "
                 "limit and starts paying for write-back too. Ravex starts Python, plans the layout and copies through a "
