@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from ._passthrough import Passthrough
 from .runtime import Runtime, StopRun
 from .sampler import unstamped
+from .workers import tied_workers
 
 __all__ = ["apply", "patched_targets"]
 
@@ -101,6 +102,11 @@ def apply(rt: Runtime) -> Callable[[], None]:
 
     def loader_iter(original: Any) -> Any:
         def wrapper(self: Any) -> Any:
+            # Every worker this call starts (the user's epoch, or Ravex's replay of one) ends with this process.
+            with tied_workers(self):
+                return start(self)
+
+        def start(self: Any) -> Any:
             if rt.fatal is not None:
                 raise rt.fatal  # the restore failed: no epoch may start on the state the objects are in
             if rt.at_max_steps() and rt.restored:

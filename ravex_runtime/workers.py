@@ -20,20 +20,29 @@ after a resume:
   (:class:`ResumeInit`) before the epoch is replayed.
 
 Everything here is picklable, for the ``spawn`` and ``forkserver`` start methods.
+
+It also ties each worker's life to the trainer that started it (:func:`tied_workers`):
+torch's worker watches the parent it finds when its loop begins, so one forked just
+before its trainer is killed watches pid 1 and lives on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import multiprocessing
 import os
 import random
+import signal
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["ResumeInit", "StampCollate", "Stamped", "apply_states", "check_states", "rng_objects", "worker_states"]
+__all__ = ["ResumeInit", "StampCollate", "Stamped", "TieInit", "apply_states", "check_states", "rng_objects", "tied_workers", "worker_states"]
 
 # Generators held by the dataset (or by an object it holds: a transform) are found
 # this deep; the state of a deeper or unnamed one (a closure's) is not carried
@@ -235,3 +244,112 @@ class ResumeInit:
         if states is not None:
             info = torch.utils.data.get_worker_info()
             apply_states(states, info.dataset if info is not None else None)
+
+
+# ---------------------------------------------------------------- workers end with their trainer
+#
+# torch's worker learns its manager from os.getppid() when its loop starts, after the
+# dataset's seeding and worker_init_fn: a worker whose trainer is SIGKILLed before that
+# (a preemption at start-up, or during a resume's replay) records pid 1 as its manager,
+# never sees it die, and lives on with its memory. Ravex ties the worker to the process
+# it was started from instead, right after the fork: the kernel's parent-death signal
+# (prctl PR_SET_PDEATHSIG, SIGKILL), then a check that this parent is still the one the
+# trainer recorded before forking (it may have died before the signal was armed).
+
+_PR_SET_PDEATHSIG = 1
+_prctl: Any = None
+_hooked = False
+# While the patched DataLoader.__iter__ starts workers: (trainer pid, forking thread, whether
+# that thread is the main thread). A fork from any other thread meanwhile is not a worker.
+_starting: tuple[int, int, bool] | None = None
+
+
+def _load_prctl() -> Any:
+    global _prctl
+    if _prctl is None and sys.platform == "linux":
+        try:
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            _prctl = False
+    return _prctl or None
+
+
+def _die_with(parent: int, signal_ok: bool) -> None:
+    """In a new worker: end it when ``parent`` dies, and now if it already has."""
+    prctl = _prctl or None
+    if signal_ok and prctl is not None:
+        # The signal follows the parent *thread*: armed only when the main thread forked
+        # (a loader iterated from a short-lived thread would otherwise lose its workers).
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    else:
+        _watch_parent(parent)
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _watch_parent(parent: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ravex-parent-watch", daemon=True).start()
+
+
+def _after_fork_child() -> None:
+    global _starting
+    starting, _starting = _starting, None
+    if starting is not None and starting[1] == threading.get_ident():
+        _die_with(starting[0], starting[2])
+
+
+@contextlib.contextmanager
+def tied_workers(loader: Any) -> Iterator[None]:
+    """Around ``iter(loader)``: the workers it starts end when this process dies. Forked
+    workers are tied by a fork hook; ``spawn`` and ``forkserver`` workers by their
+    ``worker_init_fn`` (:class:`TieInit`). Nothing else about the workers changes."""
+    global _hooked, _starting
+    if getattr(loader, "num_workers", 0) <= 0:
+        yield
+        return
+    _load_prctl()
+    if not _hooked:  # once per process; the hook does nothing outside this block
+        os.register_at_fork(after_in_child=_after_fork_child)
+        _hooked = True
+    method = _start_method(loader)
+    init = loader.worker_init_fn
+    if method != "fork":
+        loader.worker_init_fn = TieInit(init, os.getpid(), method == "spawn")
+    previous = _starting
+    _starting = (os.getpid(), threading.get_ident(), threading.current_thread() is threading.main_thread())
+    try:
+        yield
+    finally:
+        _starting = previous
+        if method != "fork":
+            loader.worker_init_fn = init
+
+
+def _start_method(loader: Any) -> str:
+    ctx = getattr(loader, "multiprocessing_context", None)
+    if ctx is None:
+        return str(multiprocessing.get_start_method())
+    return str(ctx.get_start_method())
+
+
+class TieInit:
+    """``worker_init_fn`` of a worker that was not forked by the trainer itself: tie it to
+    the trainer (``spawn``: its parent) before the user's own init runs. A ``forkserver``
+    worker's parent is the fork server, which ends when the trainer does; the worker is
+    tied to it and not checked against the trainer's pid."""
+
+    def __init__(self, inner: Callable[[int], Any] | None, parent: int, check: bool):
+        self.inner, self.parent, self.check = inner, parent, check
+
+    def __call__(self, worker_id: int) -> None:
+        if _load_prctl() is not None:
+            _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if self.check and os.getppid() != self.parent:
+            os._exit(0)
+        if self.inner is not None:
+            self.inner(worker_id)
