@@ -62,6 +62,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import plot
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BIN = os.path.dirname(sys.executable)
@@ -297,6 +299,7 @@ def publish(text: str, doc: str | None, out: str | None = None) -> None:
     if doc:
         with open(doc, "w") as f:
             f.write(text)
+        plot.refresh_doc(doc)  # the page's lead: a summary table and its chart (docs/img/)
     print()
     print(text)
     if out:
@@ -1050,6 +1053,7 @@ def main() -> None:
                 json.dump(res, f, indent=1)
         with open(a.doc, "w") as f:
             f.write(render(res))
+        plot.refresh_doc(a.doc)
         print(text_table(HEAD, table_rows(res)))
         return
     os.makedirs(a.workdir, exist_ok=True)
@@ -1112,6 +1116,7 @@ def main() -> None:
     if not a.no_doc:
         with open(a.doc, "w") as f:
             f.write(render(res))
+        plot.refresh_doc(a.doc)
         print(f"wrote {a.doc}")
 
 
