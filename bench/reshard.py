@@ -33,6 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import make_checkpoints as MC
+import plot
 import run as R
 
 DOC = os.path.join(R.ROOT, "docs", "benchmarks-reshard.md")
@@ -269,6 +270,7 @@ def main() -> None:
                 res["other_size"] = json.load(f)
         with open(DOC, "w") as f:
             f.write(render(res))
+        plot.refresh_doc(DOC)
         return
     t0 = time.monotonic()
     a.deadline_mono = t0 + a.budget_min * 60
@@ -298,6 +300,7 @@ def main() -> None:
     if not a.no_doc:
         with open(DOC, "w") as f:
             f.write(render(res))
+        plot.refresh_doc(DOC)
     R.log(f"wrote {out}" + ("" if a.no_doc else f" and {DOC}"))
     for kind, e in res["inputs"].items():
         for c in e["cases"].values():

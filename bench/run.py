@@ -62,6 +62,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import plot
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BIN = os.path.dirname(sys.executable)
@@ -297,6 +299,7 @@ def publish(text: str, doc: str | None, out: str | None = None) -> None:
     if doc:
         with open(doc, "w") as f:
             f.write(text)
+        plot.refresh_doc(doc)  # the page's lead: a summary table and its chart (docs/img/)
     print()
     print(text)
     if out:
@@ -776,22 +779,27 @@ def render(res: dict) -> str:
     L.append("")
     L.append("Warm page cache (nothing dropped; each command ran once untimed first), then "
              f"{TIMED_RUNS} timed runs per command, round-robin; outputs deleted and `sync` run after every run "
-             "(outside the timing). **peak RssAnon**: largest sum of `RssAnon` over the command's process tree, sampled "
-             "every 20 ms. **max RSS**: `ru_maxrss` from `wait4` (all resident pages, including page-cache pages of "
-             "files the process maps — Ravex mmaps its inputs, so this counts input pages, not memory it allocated). "
-             "**CPU**: median user+sys seconds of the process tree (`wait4`). "
-             "**÷ cp -r**: median wall time over the median of `cp -r` of the same input (the ravex / cp ratio; also shown "
-             "for the other floors). **÷ cp -r && sync -f**: a durable Ravex command's median over the durable copy's (like for "
-             "like: both have the output on disk when they return). **paired**: in each timed round the Ravex command "
-             "was also timed right beside its own floor (`cp -r && sync -f` for a durable command, `cp -r` for `--no-sync`; "
-             "the floor first in rounds 1 and 3, second in round 2); the median [min–max] of those per-round ratios. The "
-             "issue-13 targets are judged on it: the VM's disk speed swings within minutes, and a ratio of medians taken "
-             "minutes apart measures the swing as much as the code. **ref / ravex**: the "
-             "reference tool's median over the Ravex command writing the same content (zero_to_fp32 → `--to "
-             "safetensors`: fp32 weights only; dcp_to_torch_save → `--to torch_save`: weights + optimizer state), "
-             "as issue 2 states it (over durable Ravex); *with sync -f*: the reference plus a `sync -f` of its output "
-             "timed right after it (the references do not fsync), over durable Ravex; *vs --no-sync*: the reference over "
-             "Ravex `--no-sync` (neither waits for the disk).")
+             "(outside the timing). The columns:")
+    L.append("")
+    L += [f"- {x}" for x in (
+        "**peak RssAnon**: largest sum of `RssAnon` over the command's process tree, sampled every 20 ms.",
+        ("**max RSS**: `ru_maxrss` from `wait4` (all resident pages, including page-cache pages of files the process "
+         "maps — Ravex mmaps its inputs, so this counts input pages, not memory it allocated)."),
+        "**CPU**: median user+sys seconds of the process tree (`wait4`).",
+        ("**÷ cp -r**: median wall time over the median of `cp -r` of the same input (the ravex / cp ratio; also shown "
+         "for the other floors)."),
+        ("**÷ cp -r && sync -f**: a durable Ravex command's median over the durable copy's (like for like: both have the "
+         "output on disk when they return)."),
+        ("**paired**: in each timed round the Ravex command was also timed right beside its own floor (`cp -r && sync -f` "
+         "for a durable command, `cp -r` for `--no-sync`; the floor first in rounds 1 and 3, second in round 2); the median "
+         "[min–max] of those per-round ratios. The issue-13 targets are judged on it: the VM's disk speed swings within "
+         "minutes, and a ratio of medians taken minutes apart measures the swing as much as the code."),
+        ("**ref / ravex**: the reference tool's median over the Ravex command writing the same content (zero_to_fp32 → "
+         "`--to safetensors`: fp32 weights only; dcp_to_torch_save → `--to torch_save`: weights + optimizer state), as "
+         "issue 2 states it (over durable Ravex); *with sync -f*: the reference plus a `sync -f` of its output timed right "
+         "after it (the references do not fsync), over durable Ravex; *vs --no-sync*: the reference over Ravex `--no-sync` "
+         "(neither waits for the disk)."),
+    )]
     L.append("")
     L.append(md_table(HEAD, table_rows(res)))
     L.append("")
@@ -843,7 +851,7 @@ def render(res: dict) -> str:
     L.append("Computed from this run's numbers:")
     L.append("")
     for o in auto_observations(res, checks):
-        L.append(f"- {o}")
+        L += ["", o, ""] if o.startswith("|") else [f"- {o}"]  # a table stands on its own
     L.append("")
     if res.get("notes"):
         L.append("Side tests, by hand, outside the timed run (same machine; `ravex` as installed in the venv at the time, "
@@ -865,7 +873,7 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
     missed = [c for c in checks if not c["met"]]
     obs = []
     if missed:
-        obs.append("**Targets missed**: " + "; ".join(f"{c['what']} = {c['value']} (target {c['target']})" for c in missed) + ".")
+        obs.append(f"**Targets missed**: {len(missed)} of {len(checks)} checks, the rows marked **NO** in the Targets table above.")
     else:
         obs.append("Every target was met in this run.")
     sizes = sorted(res.get("sizes", {}).items(), key=lambda kv: float(kv[0]))
@@ -897,37 +905,35 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
     per_format = []
     for k, to, *_ in RAVEX_FORMATS:
         dur, ns = ratios(f"ravex_{k}", "cp_sync"), ratios(f"ravex_{k}_ns", "cp")
+        if not (dur and ns):
+            continue
         pd, pn = paired(f"ravex_{k}"), paired(f"ravex_{k}_ns")
-        if dur and ns:
-            per_format.append(f"`--to {to}` {_rng(dur)}x durable / {_rng(ns)}x no-sync"
-                              + (f" (paired medians {_rng(pd)}x / {_rng(pn)}x)" if pd and pn else ""))
+        f, sh, cvc = phase(f"ravex_{k}", "fsync"), share(f"ravex_{k}", ("fsync",)), copy_vs_cp(f"ravex_{k}_ns")
+        per_format.append([f"`--to {to}`", f"{_rng(dur)}x", f"{_rng(pd)}x" if pd else "", f"{_rng(ns)}x", f"{_rng(pn)}x" if pn else "",
+                           f"{_rng(f)} s ({_rng([x * 100 for x in sh], '{:.0f}')} %)" if f and sh else "",
+                           f"{_rng(cvc)}x" if cvc else ""])
     if per_format:
-        text = ("**Ravex against its floors** (durable over `cp -r && sync -f`, `--no-sync` over `cp -r`, ratio of medians "
-                "over the inputs, paired ratios in brackets): "
-                + "; ".join(per_format) + ". `cp -r` (coreutils 9, `copy_file_range`) copies page cache to page cache inside "
-                "the kernel and returns with the output still dirty in memory; at 5 GB it crosses the kernel's dirty-page "
-                "limit and starts paying for write-back too. Ravex starts Python, plans the layout and copies through a "
-                "buffer per thread (read from the source, hash for the CRC-32s where the format has them, positional "
-                "write). With `--no-sync` it writes through the page cache in 64 KiB steps, as `cp` does. Durable, it "
-                "writes each piece's whole pages around the page cache (`O_DIRECT`, 1 MiB steps; a native store's xxh3 "
-                "sums are hashed during the copy, so its data files go direct as well) and fsyncs "
-                "every output file and directory before it returns. `--to safetensors` writes a third of the bytes (the fp32 weights, no "
-                "optimizer state).")
-        fs = [(to, phase(f"ravex_{k}", "fsync"), share(f"ravex_{k}", ("fsync",))) for k, to, *_ in RAVEX_FORMATS]
-        fs = [(to, f, sh) for to, f, sh in fs if f and sh]
-        if fs:
-            text += (" In the phase runs (durable) the final fsyncs took " + "; ".join(
-                f"{_rng(f)} s ({_rng([x * 100 for x in sh], '{:.0f}')} %) for {to}" for to, f, sh in fs)
-                + f"; Python start-up and imports {_rng(phase('ravex_pt', 'import'))} s.")
-        cvc = [(to, copy_vs_cp(f"ravex_{k}_ns")) for k, to, *_ in RAVEX_FORMATS]
-        cvc = [(to, r) for to, r in cvc if r]
-        if cvc:
-            text += (" The copy phase alone (no-sync) took " + "; ".join(f"{_rng(r)}x" + f" ({to})" for to, r in cvc)
-                     + " the whole `cp -r`.")
+        obs.append("**Ravex against its floors**, per output format, over the inputs: durable over `cp -r && sync -f`, "
+                   "`--no-sync` over `cp -r`; the final fsyncs of the durable phase runs (share of the run); the copy phase "
+                   "alone of the `--no-sync` phase runs over the whole `cp -r`.")
+        obs.append(md_table(["output", "durable, medians", "durable, paired", "--no-sync, medians", "--no-sync, paired",
+                             "final fsync (durable)", "copy phase ÷ cp -r"], per_format))
+        obs.append("`cp -r` (coreutils 9, `copy_file_range`) copies page cache to page cache inside the kernel and returns "
+                   "with the output still dirty in memory; at 5 GB it crosses the kernel's dirty-page limit and starts paying "
+                   "for write-back too.")
+        obs.append("Ravex starts Python, plans the layout and copies through a buffer per thread (read from the source, hash "
+                   "for the CRC-32s where the format has them, positional write). With `--no-sync` it writes through the page "
+                   "cache in 64 KiB steps, as `cp` does. Durable, it writes each piece's whole pages around the page cache "
+                   "(`O_DIRECT`, 1 MiB steps; a native store's xxh3 sums are hashed during the copy, so its data files go "
+                   "direct as well) and fsyncs every output file and directory before it returns.")
+        obs.append("`--to safetensors` writes a third of the bytes (the fp32 weights, no optimizer state).")
+        imp = phase("ravex_pt", "import")
+        if imp:
+            obs.append(f"Python start-up and imports took {_rng(imp)} s (the `--to torch_save` phase runs).")
         if dd:
-            text += f" For scale, `dd` (the same bytes through user space with read/write) took {_rng(dd)}x `cp -r` here."
-        obs.append(text)
+            obs.append(f"For scale, `dd` (the same bytes through user space with read/write) took {_rng(dd)}x `cp -r` here.")
     # missed reference speed-ups: was it contention?
+    ref_rows = []
     for c in missed:
         if not c["what"].endswith(tuple(f"/ {cs_label}" for cs_label in ("ravex convert --to safetensors", "ravex convert --to torch_save"))):
             continue
@@ -937,16 +943,19 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
         rk = next(k for k, v in e["cases"].items() if v["label"] == ref_label)
         vk = next(k for k, v in e["cases"].items() if v["label"] == rv_label)
         r, v = e["cases"][rk], e["cases"][vk]
-        obs.append(f"**{c['what']} = {c['value']}** (target {c['target']}): the three Ravex runs took "
-                   + ", ".join(f"{w:.2f} s" for w in v["wall"]) + " with other work keeping "
-                   + ", ".join(f"{x:.2f}" for x in v["other_cpu"]) + " CPUs busy; the reference runs took "
-                   + ", ".join(f"{w:.2f} s" for w in r["wall"]) + " with " + ", ".join(f"{x:.2f}" for x in r["other_cpu"])
-                   + f". Best run against best run: {min(r['wall']) / min(v['wall']):.2f}x."
-                   + (f" In the phase run, fsync took {e['phases'][vk]['fsync']:.2f} s of Ravex's {e['phases'][vk]['total']:.2f} s; "
-                      "the reference tool does not fsync what it writes." if "fsync" in e.get("phases", {}).get(vk, {}) else "")
-                   + " Ravex's two executor threads "
-                   "compete for the same 2 CPUs as the other work, so contention costs it more than the mostly single-threaded "
-                   "reference; a quieter machine would settle whether this one is a real miss.")
+        ph = e.get("phases", {}).get(vk, {})
+        ref_rows.append([c["what"], f"{c['value']} ({c['target']})",
+                         ", ".join(f"{w:.2f}" for w in v["wall"]), ", ".join(f"{x:.2f}" for x in v["other_cpu"]),
+                         ", ".join(f"{w:.2f}" for w in r["wall"]), ", ".join(f"{x:.2f}" for x in r["other_cpu"]),
+                         f"{min(r['wall']) / min(v['wall']):.2f}x",
+                         f"{ph['fsync']:.2f} of {ph['total']:.2f} s" if "fsync" in ph else ""])
+    if ref_rows:
+        obs.append("**Reference speed-ups missed**, run by run (seconds; other load in CPUs kept busy by other work):")
+        obs.append(md_table(["check", "measured (target)", "Ravex runs", "other load", "reference runs", "other load",
+                             "best ÷ best", "Ravex's fsync (phase run)"], ref_rows))
+        obs.append("The reference tools do not fsync what they write. Ravex's two executor threads compete for the same 2 CPUs "
+                   "as the other work, so contention costs it more than the mostly single-threaded reference; a quieter "
+                   "machine would settle whether these are real misses.")
     spreads = [(max(w) / min(w), f"{size} GB {kind}") for size, kind, e in inputs
                for w in [e["cases"].get("dd", {}).get("wall", []) + ([e["cases"]["dd"]["warmup_wall"]] if e["cases"].get("dd", {}).get("warmup_wall") else [])]
                if w]
@@ -960,8 +969,9 @@ def auto_observations(res: dict, checks: list[dict]) -> list[str]:
             max(e["cases"][k]["peak_anon_kb"]) / 1024)
            for size, kind, e in inputs for k in e["cases"] if e["cases"][k]["role"] == "ref" and e["cases"][k]["peak_anon_kb"]]
     if ref:
-        obs.append("**Reference tools' memory grows with the checkpoint**: " + "; ".join(
-            f"{lab} {mib:,.0f} MiB at {size} GB ({r:.2f}x the checkpoint)" for lab, size, r, mib in ref) + ".")
+        obs.append("**Reference tools' memory grows with the checkpoint** (peak RssAnon):")
+        obs.append(md_table(["tool", "checkpoint", "peak RssAnon", "÷ the checkpoint"],
+                            [[lab, f"{size} GB", f"{mib:,.0f} MiB", f"{r:.2f}x"] for lab, size, r, mib in ref]))
     rv = [max(e["cases"][k]["peak_anon_kb"]) / 1024 for _, _, e in inputs for k in DURABLE_KEYS + NOSYNC_KEYS
           if e["cases"].get(k, {}).get("peak_anon_kb")]
     if rv:
@@ -1050,6 +1060,7 @@ def main() -> None:
                 json.dump(res, f, indent=1)
         with open(a.doc, "w") as f:
             f.write(render(res))
+        plot.refresh_doc(a.doc)
         print(text_table(HEAD, table_rows(res)))
         return
     os.makedirs(a.workdir, exist_ok=True)
@@ -1112,6 +1123,7 @@ def main() -> None:
     if not a.no_doc:
         with open(a.doc, "w") as f:
             f.write(render(res))
+        plot.refresh_doc(a.doc)
         print(f"wrote {a.doc}")
 
 

@@ -42,6 +42,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import plot
 import run as R
 
 DOC = os.path.join(R.ROOT, "docs", "benchmarks-runtime.md")
@@ -268,6 +269,7 @@ def main() -> None:
             res = json.load(f)
         with open(DOC, "w") as f:
             f.write(render(res))
+        plot.refresh_doc(DOC)
         return
     t0 = time.monotonic()
     work = os.path.abspath(a.workdir)
@@ -289,6 +291,7 @@ def main() -> None:
         json.dump(res, f, indent=1)
     with open(DOC, "w") as f:
         f.write(render(res))
+    plot.refresh_doc(DOC)
     R.log(f"wrote {out} and {DOC}")
 
 

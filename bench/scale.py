@@ -57,6 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import plot
 import run as R
 
 from ravex_convert import _core
@@ -442,20 +443,6 @@ def row_of(r: dict[str, Any]) -> str:
             f"| {_mb(r['plan_py_peak'])} | {ok_t} / {ok_m} |")
 
 
-def ascii_plot(rows: list[dict[str, Any]], width: int = 60, height: int = 12) -> list[str]:
-    """Plan time against source + target chunks, one mark per row (linear axes: the point is the straight line)."""
-    pts = [(r["job_source_chunks"] + r["target_chunks"], r["plan_s"], {"dcp": "D", "safetensors": "S"}.get(r["target"], "R")) for r in rows]
-    xmax = max(p[0] for p in pts)
-    ymax = max(p[1] for p in pts)
-    grid = [[" "] * (width + 1) for _ in range(height + 1)]
-    for x, y, m in pts:
-        grid[height - round(y / ymax * height)][round(x / xmax * width)] = m
-    lines = [f"plan s (top: {ymax:.2f})"]
-    lines += ["|" + "".join(g).rstrip() for g in grid]
-    lines.append("+" + "-" * (width + 1) + f"> chunks (source + target), right end {xmax:,}")
-    return lines
-
-
 METHOD = (
     "No tensor data: each source is the `Checkpoint` that `zero.read` would build for a Llama-3-shaped DeepSpeed ZeRO-3 "
     "save (fp32 master + AdamW `exp_avg`, `exp_avg_sq` and a 0-d `step` per parameter; `stage3_pieces` places every "
@@ -534,17 +521,12 @@ def write_doc(results: list[dict[str, Any]], meta: dict[str, Any], path: str) ->
             lines.append(f"| {r['shape']['name']} | {r.get('items', 0):,} | {r['out_files']} | {_mb(r.get('metadata_bytes'))} "
                          f"| {r.get('metadata_s', 0):.2f} s / {_mb(r.get('metadata_rss'))} "
                          f"| {r.get('one_process_s', 0):.2f} s / {_mb(r.get('one_process_rss'))} | {r.get('one_process_target_chunks', 0):,} |")
-    lines += ["", "Plan time against chunks (D = dcp; S = safetensors, R = dry-run on their own scale):", "", "```"]
-    for group in (("dcp",), ("safetensors", "dry-run")):
-        rows = [r for r in results if r["target"] in group]
-        if rows:
-            lines += [*ascii_plot(rows), ""]
-    lines[-1] = "```"
     lines.append("")
     old = Path(path).read_text() if os.path.exists(path) else ""
     notes = old.split(MARK, 1)[1] if MARK in old else ""
     lines += [MARK + (notes if notes else "\n")]
     Path(path).write_text("\n".join(lines))
+    plot.refresh_doc(path)  # the lead: a summary table and docs/img/scale.png
 
 
 def main() -> None:

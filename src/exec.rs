@@ -709,8 +709,9 @@ fn start_writeback(_file: &File, _offset: u64, _len: u64) {}
 /// at a time; a direct write into allocated blocks takes it shared. Measured
 /// on this project's VM against the build before, 5 GB DCP -> torch_save
 /// durable, 6 interleaved rounds in a slow-disk phase: 7.8-10.7 s with the
-/// blocks allocated, 10.2-13.0 s without (docs/convert.md). Each executor
-/// call allocates its targets again; over blocks already allocated that is
+/// blocks allocated, 10.2-13.0 s without
+/// (docs/notes/2026-11-29-copy-steps.md). Each executor call allocates its
+/// targets again; over blocks already allocated that is
 /// one cheap call per file. Refused
 /// (`EOPNOTSUPP`, a file system without it) -> the file stays sparse; never
 /// `posix_fallocate`, which glibc emulates by writing zeros.
