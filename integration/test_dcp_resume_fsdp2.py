@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +31,9 @@ from safetensors import safe_open
 from ravex_convert import read_checkpoint
 from ravex_convert._output import Options
 from ravex_convert.formats import dcp_write
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "fixtures" / "data"
@@ -144,9 +146,8 @@ def test_zero_checkpoint_resumes_under_fsdp2(name: str, world_size: int, tmp_pat
     out = tmp_path / "result.json"
     venv_bin = str(Path(sys.executable).parent)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size), str(worker),
-           str(dst), str(DATA / name / "reference" / "true_state.safetensors"), str(REPO / "fixtures"), str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False, cwd=tmp_path)
+    res = launch(world_size, [str(worker), str(dst), str(DATA / name / "reference" / "true_state.safetensors"), str(REPO / "fixtures"), str(out)],
+                 cwd=tmp_path, env=env)
     assert out.is_file(), f"the workers wrote no result (exit {res.returncode})\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     got = json.loads(out.read_text())
     true = json.loads((DATA / name / "reference" / "true_state.json").read_text())

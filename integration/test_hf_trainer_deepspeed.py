@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,15 +25,17 @@ from safetensors.torch import load_file
 
 import ravex_convert
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _launch import launch
+
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "_hf_train.py"
 
 
 def torchrun(n: int, out: Path, resume: Path | None = None) -> dict[str, torch.Tensor]:
-    args = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), str(SCRIPT), str(out), "4"]
-    args += ([str(resume)] if resume else []) + ["--zero", "2"]
+    args = [str(SCRIPT), str(out), "4"] + ([str(resume)] if resume else []) + ["--zero", "2"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))  # DeepSpeed JIT-builds with ninja
-    res = subprocess.run(args, capture_output=True, text=True, timeout=900, check=False, env=env)
+    res = launch(n, args, cwd=Path.cwd(), env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     return load_file(str(out / "final.safetensors"))
 

@@ -18,6 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+from _launch import launch
 from conftest import DATA, ravex_bin
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -38,8 +39,7 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", "ravex", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=cwd, timeout=600, check=False)
+    return launch(nproc, ["-m", "ravex", *args], cwd=cwd, env=_env())
 
 
 def _cmd(verb: str, rest: list[str], src: Path, dst: Path) -> list[str]:
@@ -94,12 +94,12 @@ def test_two_ranks_write_the_bytes_one_process_writes(case: str, tmp_path: Path)
 def test_a_second_checkpoint_into_a_store_reuses_the_same_chunks_on_two_ranks(tmp_path: Path) -> None:
     """Rank 0 decides what is reused (the newest checkpoint's unchanged chunks) for every rank."""
     outs = {}
-    for label, launch in (("one", None), ("two", 2)):
+    for label, ranks in (("one", None), ("two", 2)):
         store = tmp_path / label
         for name in ("zero3_ws2_fp32", "zero3_ws2_fp32"):
             args = _cmd("convert", ["--to", "native", "--world-size", "2"], DATA / name / "checkpoint", store)
             res = (subprocess.run([ravex_bin(), *args], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600, check=False)
-                   if launch is None else _torchrun(launch, args, tmp_path))
+                   if ranks is None else _torchrun(ranks, args, tmp_path))
             assert res.returncode == 0, res.stdout + res.stderr
         outs[label] = _comparable(_files(store))
         second = json.loads((store / "checkpoints" / "00000001" / "checkpoint.json").read_text())
@@ -114,10 +114,10 @@ def test_two_ranks_write_a_store_on_object_storage_as_one_process_writes_a_local
     (tmp_path / "bucket").mkdir()
     local, remote = tmp_path / "local", f"objdir://{tmp_path}/bucket/store"
     for _ in range(2):  # the second checkpoint reuses the first's chunks
-        for dst, launch in ((local, None), (remote, 2)):
+        for dst, ranks in ((local, None), (remote, 2)):
             args = ["convert", str(DATA / "zero3_ws2_fp32" / "checkpoint"), str(dst), "--to", "native", "--world-size", "2", "--quiet"]
             res = (subprocess.run([ravex_bin(), *args], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600, check=False)
-                   if launch is None else _torchrun(launch, args, tmp_path))
+                   if ranks is None else _torchrun(ranks, args, tmp_path))
             assert res.returncode == 0, res.stdout + res.stderr
     assert _comparable(_files(tmp_path / "bucket" / "store")) == _comparable(_files(local))
     assert not (tmp_path / "bucket" / "store" / "lock").exists()  # the lease went with its holder
@@ -155,7 +155,6 @@ def test_the_api_on_rank_0_alone_does_not_wait_for_the_other_ranks(tmp_path: Pat
     res = subprocess.run([ravex_bin(), "convert", str(src), str(one), "--to", "dcp", "--world-size", "2", "--quiet"],
                          capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600, check=False)
     assert res.returncode == 0, res.stderr
-    cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(src), str(two)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=180, check=False)
+    res = launch(2, [str(script), str(src), str(two)], cwd=tmp_path, env=_env(), timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
     assert _comparable(_files(one)) == _comparable(_files(two))

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "fixtures" / "data"
@@ -179,9 +181,8 @@ def _resume(tmp_path: Path, world_size: int, cases: list[dict[str, Any]]) -> dic
     out = tmp_path / "results.json"
     # DS_ACCELERATOR: no GPU; the venv's bin on PATH: DeepSpeed JIT-builds its CPU comm op with ninja
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world_size),
-           str(tmp_path / "worker.py"), str(REPO / "fixtures"), str(tmp_path / "cases.json"), str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path, check=False)
+    res = launch(world_size, [str(tmp_path / "worker.py"), str(REPO / "fixtures"), str(tmp_path / "cases.json"), str(out)],
+                 cwd=tmp_path, env=env)
     assert out.is_file(), f"no results (exit {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     return {r["name"]: r for r in json.loads(out.read_text())}
 

@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): set up the environment, run the Rust
-# tests, build and install the wheel, run every Python test (slow and
+# tests, build and install the wheel, lint, run every Python test (slow and
 # distributed ones included). Fails if any suite runs no test.
+#
+#   scripts/test.sh                 everything (what CI runs)
+#   scripts/test.sh --fast          for development, a few minutes: cargo test, build + install,
+#                                   pytest without the tests marked slow or distributed; no lint
+#   scripts/test.sh [PYTEST ARGS]   cargo test, build + install, lint, then pytest with these arguments
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+  fast=1
+  shift
+fi
 venv=$(scripts/env.sh)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$(dirname "$venv")/cargo-target}
 
@@ -18,26 +28,31 @@ grep -qE '^test result: ok\. [1-9][0-9]* passed' "$cargo_log" \
 echo "== build and install"
 scripts/install.sh "$venv"
 
-echo "== lint: ruff, mypy --strict, stubtest of the compiled module, clippy"
-"$venv/bin/ruff" check ravex ravex_convert ravex_runtime tests integration scripts fixtures bench
-"$venv/bin/mypy"
-# from outside the tree, so the installed module (with its .so) is what is checked
-(cd "$(mktemp -d)" && "$venv/bin/python" -m mypy.stubtest ravex_convert._core)
-cargo clippy --locked --all-targets --quiet -- -D warnings
+if [ "$fast" -eq 0 ]; then
+  echo "== lint: ruff, mypy --strict, stubtest of the compiled module, clippy"
+  "$venv/bin/ruff" check ravex ravex_convert ravex_runtime tests integration scripts fixtures bench
+  "$venv/bin/mypy"
+  # from outside the tree, so the installed module (with its .so) is what is checked
+  (cd "$(mktemp -d)" && "$venv/bin/python" -m mypy.stubtest ravex_convert._core)
+  cargo clippy --locked --all-targets --quiet -- -D warnings
+fi
 
 echo "== pytest"
 # The `pytest` script (not `python -m pytest`) keeps the source tree off
-# sys.path, so the installed wheel is what gets tested.
+# sys.path, so the installed wheel is what gets tested. --durations: the slowest
+# tests in every run's output, so a suite that grows is seen where it grows.
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
+marks=()
+[ "$fast" -eq 1 ] && marks=(-m "not slow and not distributed")
 set +e
-"$venv/bin/pytest" "$@"
+"$venv/bin/pytest" --durations=25 "${marks[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
   echo "test.sh: pytest collected no test" >&2
   exit 1
 fi
-if [ "$rc" -ne 0 ] || [ "$#" -ne 0 ]; then
+if [ "$rc" -ne 0 ] || [ "$#" -ne 0 ] || [ "$fast" -eq 1 ]; then
   exit "$rc"
 fi
 

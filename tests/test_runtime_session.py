@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _launch import launch
 
 import ravex
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
@@ -351,8 +352,7 @@ dist.destroy_process_group()
 def test_the_session_knows_its_rank_and_world_size_under_torchrun(tmp_path: Path) -> None:
     worker = tmp_path / "ranks.py"
     worker.write_text(RANKS)
-    res = subprocess.run([sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker), str(tmp_path)],
-                         capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300, check=False)
+    res = launch(2, [str(worker), str(tmp_path)], cwd=tmp_path, env=clean_env(), timeout=300)
     assert res.returncode == 0, f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}"
     got = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert got == [{"rank": 0, "world_size": 2}, {"rank": 1, "world_size": 2}]
