@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from ravex_convert import read_checkpoint
 from ravex_convert._output import Options
-from ravex_convert.formats import dcp_write
+from ravex_convert.formats.dcp import writer as dcp_write
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "fixtures" / "data"

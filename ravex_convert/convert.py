@@ -20,10 +20,11 @@ from ._dist import Solo, current, spread
 from ._engine import SourceTable, chunk_bytes, read_many
 from ._limits import MAX_EXPANSION_ENV, max_expansion
 from ._output import Options, durability, out_dtype, select
-from ._torchzip import deferred_crcs
+from ._torchfile.archive import deferred_crcs
 from .detect import detect, inspect, read_checkpoint
 from .errors import CorruptCheckpointError, LayoutMismatchError, RavexError
-from .formats import native, registry
+from .formats import registry
+from .formats.native import reader as native
 from .model import MODEL, OBJ, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
 from .ties import apply_ties
 from .ties import materialize as materialize_ties_in

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from conftest import DATA
 
-from ravex_convert import _core, _torchzip, convert, read_checkpoint
+from ravex_convert import _core, convert, read_checkpoint
+from ravex_convert._torchfile import archive as _torchzip
 from ravex_convert.errors import CorruptCheckpointError
 
 DCP = DATA / "fsdp2_ws3" / "checkpoint"

@@ -29,11 +29,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import ravex_convert
-from ravex_convert import RavexError, _torchwrite, read_checkpoint
+from ravex_convert import RavexError, read_checkpoint
 from ravex_convert._engine import CopyJob
 from ravex_convert._output import Options
-from ravex_convert.formats import dcp as dcp_read
-from ravex_convert.formats import dcp_write
+from ravex_convert._torchfile import write as _torchwrite
+from ravex_convert.formats.dcp import reader as dcp_read
+from ravex_convert.formats.dcp import writer as dcp_write
 from ravex_convert.model import Box, Checkpoint, Chunk, LogicalTensor, TensorLink
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from ravex_convert import _core, convert, read_checkpoint, verify
 from ravex_convert._engine import CopyJob
-from ravex_convert.formats import native
+from ravex_convert.formats.native import reader as native
 from ravex_runtime.config import load_config
 
 

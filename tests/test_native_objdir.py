@@ -21,7 +21,9 @@ from conftest import DATA, inspect_json, run_ravex
 from ravex_convert import convert, read_checkpoint, verify
 from ravex_convert._engine import chunk_bytes
 from ravex_convert.errors import RavexError
-from ravex_convert.formats import native, native_store, native_write
+from ravex_convert.formats.native import reader as native
+from ravex_convert.formats.native import store as native_store
+from ravex_convert.formats.native import writer as native_write
 from ravex_convert.storage import ABSENT, resolve
 from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation, in_use
 
@@ -183,7 +185,7 @@ def test_a_lease_left_by_a_dead_process_of_this_machine_is_taken_over(remote: st
 CRASH = """
 import os, sys
 from ravex_convert import convert
-from ravex_convert.formats import native_write
+from ravex_convert.formats.native import writer as native_write
 def die(*a, **k):
     os._exit(9)
 native_write._write_manifest = die

@@ -18,7 +18,7 @@ from conftest import DATA, REPO
 
 from ravex_convert import convert, read_checkpoint
 from ravex_convert.errors import CorruptCheckpointError, LayoutMismatchError
-from ravex_convert.formats import native
+from ravex_convert.formats.native import reader as native
 from ravex_convert.model import BUFFER, FROZEN, MODEL, PARAMETER
 from ravex_convert.objects import KEYS, check, key_of
 from ravex_convert.storage.local import remove_tree

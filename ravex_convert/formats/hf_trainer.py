@@ -38,13 +38,14 @@ from typing import Any
 
 from .._output import Options
 from .._strictjson import DuplicateKey, unique_pairs
-from .._torchzip import open_archive
+from .._torchfile.archive import open_archive
 from ..errors import CorruptCheckpointError, RavexError, UnknownFormatError
 from ..info import CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Checkpoint
 from ..plan import OutFile, WritePlan, run
-from . import safetensors, zero
+from . import safetensors
 from ._framework import FILES, carried_files, carry_rest, read_optimizer, read_small, training_files
+from .zero import reader as zero
 
 __all__ = ["describe", "read", "sniff", "write"]
 
@@ -225,7 +226,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int | 
                          hint="name the output directory, e.g. checkpoint-100; --to safetensors writes weights alone", path=dst)
     stage = zero_stage or (ckpt.objects.get("zero") or {}).get("stage")
     if isinstance(stage, int):
-        from .zero_write import plan_write as zero_plan
+        from .zero.writer import plan_write as zero_plan
 
         inner = zero_plan(ckpt, dst, opts, zero_stage=stage, precision=precision)
         files: list[OutFile] = list(inner.files)

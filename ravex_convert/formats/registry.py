@@ -27,7 +27,10 @@ from typing import Any
 from ..errors import RavexError
 from ..info import CheckpointInfo
 from ..model import Checkpoint
-from . import accelerate, dcp, hf_trainer, native, safetensors, torch_save, zero
+from . import accelerate, hf_trainer, safetensors, torch_save
+from .dcp import reader as dcp
+from .native import reader as native
+from .zero import reader as zero
 
 __all__ = ["OPTIONS", "Format", "formats", "get", "names", "register", "reshardable", "targets", "unregister"]
 
@@ -164,13 +167,13 @@ def reshardable() -> tuple[str, ...]:
 
 _BUILTIN = (
     Format("native", native.sniff, native.read, native.describe, title="Ravex stores", looks_like="ravex-store.json",
-           options=frozenset({"index"}), writer="native_write:write", reshardable=True, verify_chunks=native.verify_chunks, listed=2),
-    Format("dcp", dcp.sniff, dcp.read, dcp.describe, title="DCP", looks_like=".metadata", writer="dcp_write:write", reshardable=True,
+           options=frozenset({"index"}), writer="native.writer:write", reshardable=True, verify_chunks=native.verify_chunks, listed=2),
+    Format("dcp", dcp.sniff, dcp.read, dcp.describe, title="DCP", looks_like=".metadata", writer="dcp.writer:write", reshardable=True,
            listed=3),
     Format("hf_trainer", hf_trainer.sniff, hf_trainer.read, hf_trainer.describe, title="Hugging Face Trainer checkpoints",
            looks_like="checkpoint-N/ with trainer_state.json", options=frozenset({"param_names"}), writer="hf_trainer:write", reshardable=True, listed=5),
     Format("zero", zero.sniff, zero.read, zero.describe, title="DeepSpeed ZeRO", looks_like="a directory with 'latest' or *_optim_states.pt",
-           options=frozenset({"tag", "crc_share"}), writer="zero_write:write", reshardable=True, listed=4),
+           options=frozenset({"tag", "crc_share"}), writer="zero.writer:write", reshardable=True, listed=4),
     Format("accelerate", accelerate.sniff, accelerate.read, accelerate.describe, title="Accelerate save_state directories",
            looks_like="model.safetensors with optimizer.bin / random_states_0.pkl", options=frozenset({"param_names"}),
            writer="accelerate:write", listed=6),

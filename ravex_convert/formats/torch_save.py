@@ -26,9 +26,9 @@ from .._engine import page_residue
 from .._layout import SOURCE_KEY, StateLayout, layout_of, optimizer_tree, place, unflatten_optimizer
 from .._output import Options, out_dtype
 from .._paths import inside
-from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
-from .._torchzip import TorchArchive, gather_strided, is_torch_zip, open_archive, verify_crcs
-from .._unpickle import TensorRef
+from .._torchfile.archive import TorchArchive, gather_strided, is_torch_zip, open_archive, verify_crcs
+from .._torchfile.unpickle import TensorRef
+from .._torchfile.write import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import CorruptCheckpointError, LayoutMismatchError, RavexError, UnknownFormatError
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize

@@ -117,7 +117,7 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["ravex_convert", "ravex_convert.formats.zero", "ravex_convert.formats.dcp", "hostile.runner"])
+        _CTX.set_forkserver_preload(["ravex_convert", "ravex_convert.formats.zero.reader", "ravex_convert.formats.dcp.reader", "hostile.runner"])
     return _CTX
 
 
