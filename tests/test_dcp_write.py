@@ -461,6 +461,6 @@ def test_metadata_written_without_torch_is_what_torch_classes_pickle(name: str, 
 
 
 def test_writing_dcp_does_not_import_torch(tmp_path: Path) -> None:
-    run_without_torch("import sys; from ravex_convert import convert; convert(sys.argv[1], sys.argv[2], to='dcp', world_size=3)",
+    run_without_torch("import sys; from ravex_convert import ConvertOptions, convert; convert(sys.argv[1], sys.argv[2], 'dcp', ConvertOptions(world_size=3))",
                       str(DATA / "zero2_ws2_fp32" / "checkpoint"), str(tmp_path / "out"))
     assert (tmp_path / "out" / ".metadata").is_file()

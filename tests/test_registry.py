@@ -22,6 +22,7 @@ from conftest import DATA, fixture_dirs, run_ravex
 
 import ravex_convert
 from ravex.cli import main
+from ravex_convert import ConvertOptions
 from ravex_convert._torchfile.archive import open_archive
 from ravex_convert.convert import RESHARDABLE, TARGETS
 from ravex_convert.errors import CorruptCheckpointError, RavexError, UnknownFormatError
@@ -82,7 +83,7 @@ def test_a_format_is_checked_when_declared() -> None:
 def test_nested_layouts_go_to_the_outer_format(tmp_path: Path) -> None:
     # a native store holds safetensors files, a ZeRO root .pt files: the outer layout is asked first
     store = tmp_path / "store"
-    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", store, "native", sync=False)
+    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", store, "native", ConvertOptions(sync=False))
     assert list(store.rglob("*.safetensors"))
     assert ravex_convert.detect(store).format == "native"
     assert ravex_convert.detect(DATA / "zero2_ws2_fp32" / "checkpoint").format == "zero"

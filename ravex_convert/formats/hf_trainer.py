@@ -33,6 +33,7 @@ DeepSpeed source or with ``--zero-stage``, the DeepSpeed one for
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,22 @@ from ..model import MODEL, Checkpoint
 from ..plan import OutFile, WritePlan, run
 from . import safetensors
 from ._framework import FILES, carried_files, carry_rest, read_optimizer, read_small, training_files
+from .options import WriteOptions, option
 from .zero import reader as zero
+from .zero.options import PRECISION, ZERO_STAGE
 
-__all__ = ["describe", "read", "sniff", "write"]
+__all__ = ["HfTrainerOptions", "describe", "read", "sniff", "write"]
+
+
+@dataclass(frozen=True)
+class HfTrainerOptions(WriteOptions):
+    """The options of a Trainer ``checkpoint-N`` output: ``max_shard_size`` (the
+    weights' safetensors shards), and for the checkpoint of a Trainer run under
+    DeepSpeed ``zero_stage`` and ``precision`` (the ZeRO writer's)."""
+
+    max_shard_size: int | None = option(None, safetensors.MAX_SHARD_SIZE, on_options=True)
+    zero_stage: int | None = option(None, ZERO_STAGE)
+    precision: str | None = option(None, PRECISION)
 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.pt"
