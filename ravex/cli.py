@@ -133,17 +133,12 @@ def _hyperparameters(path: str | None) -> list[Any] | None:
 
 def _writer_flags(fmts: list[registry.Format]) -> list[click.Option]:
     """One click option per flag the formats' writers declare (formats/options.py), in
-    the order people read the formats; a flag two formats share (the same ``Flag``)
-    once, with the choices of both."""
+    the order people read the formats; a flag two formats share once, with the
+    choices of both."""
     seen: dict[str, tuple[str, Flag, Any, list[str]]] = {}
     for fmt in fmts:
-        for dest, flag, default in fmt.write_options.flags():
-            if flag.name not in seen:
-                seen[flag.name] = (dest, flag, default, list(flag.choices))
-                continue
-            dest0, flag0, default0, choices = seen[flag.name]
-            if (dest0, flag0.help, flag0.type, default0) != (dest, flag.help, flag.type, default):
-                raise ValueError(f"format {fmt.name!r} declares {flag.name} unlike another format does")
+        for dest, flag, default in fmt.write_options.flags():  # (declared alike: registry.register checks)
+            choices = seen.setdefault(flag.name, (dest, flag, default, []))[3]
             choices += [c for c in flag.choices if c not in choices]
     out = []
     for dest, flag, default, choices in seen.values():

@@ -152,6 +152,18 @@ def test_builtin_options_come_from_each_format() -> None:
         ZeroOptions().check()
 
 
+@dataclass(frozen=True)
+class _Clash(WriteOptions):
+    compression: str = option("zstd", Flag("--compression", help="clash: another meaning."))
+
+
+def test_a_flag_two_formats_declare_must_be_declared_alike() -> None:
+    clash = registry.Format("clash", _never, _no_read, _no_describe, title="clash", writer=_write_fake, write_options=_Clash)
+    with pytest.raises(ValueError, match="--compression is declared by 'native' already, differently"):
+        registry.register(clash)
+    assert "clash" not in registry.names()
+
+
 # ---------------------------------------------------------------- checksums a format records are checked by convert too
 
 MARKER = "summed.json"

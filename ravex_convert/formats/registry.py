@@ -144,11 +144,19 @@ _REGISTRY: dict[str, Format] = {}
 def register(fmt: Format, *, before: str | None = None) -> Format:
     """Add ``fmt`` to the registry: last in detection order, or just before the
     format named ``before`` (a layout that holds another's files must be asked
-    first). A name is registered once."""
+    first). A name is registered once; a writer's flag that another format
+    declares too must be declared the same way."""
     if fmt.name in _REGISTRY:
         raise ValueError(f"format {fmt.name!r} is registered already")
     if before is not None and before not in _REGISTRY:
         raise ValueError(f"format {fmt.name!r}: no format {before!r} to register before")
+    # one flag on the command line for every format that takes it: the same field, help, type and default
+    for dest, flag, default in fmt.write_options.flags():
+        for other in _REGISTRY.values():
+            for dest2, flag2, default2 in other.write_options.flags():
+                if flag2.name == flag.name and (dest2, flag2.help, flag2.type, default2) != (dest, flag.help, flag.type, default):
+                    raise ValueError(f"format {fmt.name!r}: {flag.name} is declared by {other.name!r} already, differently "
+                                     "(share its Flag, field name and default)")
     items = list(_REGISTRY.items())
     at = len(items) if before is None else [n for n, _ in items].index(before)
     items.insert(at, (fmt.name, fmt))
