@@ -245,7 +245,7 @@ def _bounded(ckpt: Checkpoint, out: Checkpoint, opts: Options, src: str | Path) 
 
 # Hyper-parameters an optimizer steps with, which a loader must find in each param group.
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
-_HYPER_HINT = ("pass them with --hyperparameters FILE.json (hyperparameters=[...] in Python), one dict per param group, in order. "
+_HYPER_HINT = ("pass them with --hyperparameters FILE.json (ConvertOptions(hyperparameters=[...]) in Python), one dict per param group, in order. "
                "Loading DCP into a live optimizer needs every key of its param groups, so write them from the optimizer the run resumes with: "
                "json.dump([{k: v for k, v in g.items() if k != 'params'} for g in optimizer.state_dict()['param_groups']], f). "
                "Or pass --weights-only to leave the optimizer state out")
