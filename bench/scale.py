@@ -64,8 +64,9 @@ from ravex_convert import _core
 from ravex_convert._engine import CopyJob
 from ravex_convert._output import Options, select
 from ravex_convert.convert import plan as dry_run_plan
-from ravex_convert.formats import dcp_write, safetensors
-from ravex_convert.formats.zero_layout import stage3_partition, stage3_pieces
+from ravex_convert.formats import safetensors
+from ravex_convert.formats.dcp import writer as dcp_write
+from ravex_convert.formats.zero.layout import stage3_partition, stage3_pieces
 from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint, Chunk, Flat, LogicalTensor
 from ravex_convert.plan import copy_job
 

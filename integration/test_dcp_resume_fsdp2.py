@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from ravex_convert import read_checkpoint
 from ravex_convert._output import Options
-from ravex_convert.formats import dcp_write
+from ravex_convert.formats.dcp import writer as dcp_write
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _launch import launch

@@ -473,7 +473,7 @@ def assert_read_own_part(tmp: Path, tag: str, nproc: int, store: Path, mode: str
     """At the resume each rank read its own part of a sharded model's weights and optimizer state
     (its rows of every tensor), not all of it: about 1/nproc (torch.chunk rounds rows up, and
     0-d steps are read whole); under DDP, all of it."""
-    from ravex_convert.formats import native
+    from ravex_convert.formats.native import reader as native
 
     c = native.read(store, -1)
     total = sum(t.nbytes for n, t in c.tensors.items() if n.startswith(("model/", "optim/")))

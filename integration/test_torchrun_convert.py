@@ -139,9 +139,9 @@ def test_a_refusal_on_rank_0_stops_every_rank(tmp_path: Path) -> None:
 
 RANK0_ONLY = """
 import os, sys
-from ravex_convert import convert
+from ravex_convert import ConvertOptions, convert
 if os.environ["RANK"] == "0":
-    convert(sys.argv[1], sys.argv[2], "dcp", world_size=2)
+    convert(sys.argv[1], sys.argv[2], "dcp", ConvertOptions(world_size=2))
 """
 
 

@@ -169,7 +169,7 @@ main()
 def _write(src: str, dst: Path, world_size: int, stage: int, **kw: Any) -> None:
     from ravex_convert import read_checkpoint
     from ravex_convert._output import Options, select
-    from ravex_convert.formats import zero_write
+    from ravex_convert.formats.zero import writer as zero_write
 
     opts = Options(world_size=world_size)
     zero_write.write(select(read_checkpoint(DATA / src / "checkpoint"), opts), dst, opts, zero_stage=stage, **kw)

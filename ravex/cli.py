@@ -25,6 +25,7 @@ import ravex_convert
 from ravex_convert import _core, _dist
 from ravex_convert.errors import INTERNAL_EXIT, CorruptCheckpointError, RavexError, from_os_error
 from ravex_convert.formats import registry
+from ravex_convert.formats.options import Flag
 from ravex_convert.info import CheckpointInfo
 from ravex_convert.ties import parse_tie
 
@@ -117,35 +118,78 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _zero_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """The options of a DeepSpeed ZeRO output (convert --to zero, reshard of a ZeRO run)."""
-    f = click.option("--hyperparameters", default=None, metavar="FILE.json",
-                     help="zero, dcp, torch_save: param-group hyper-parameters (a JSON list, one dict per group) where the source "
-                          "lacks them (DeepSpeed elastic saves); for dcp, every key of the resuming optimizer's param groups.")(f)
-    f = click.option("--buffers", default=None, metavar="NAMES",
-                     help="zero, stage 3: the model's persistent buffer names, comma-separated, where the source does not mark them (DCP, torch_save).")(f)
-    f = click.option("--precision", type=click.Choice(["fp32", "bf16"]), default=None,
-                     help="zero: the precision the resumed DeepSpeed run uses (default: the source's).")(f)
-    return click.option("--zero-stage", type=click.IntRange(1, 3), default=None,
-                        help="zero: the ZeRO stage of the output (required for --to zero; reshard keeps the source's).")(f)
+def _hyperparameters(path: str | None) -> list[Any] | None:
+    """``--hyperparameters FILE.json``: the parsed list, or a sentence naming the file."""
+    if not path:
+        return None
+    try:
+        found: list[Any] = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, RecursionError) as exc:
+        why = "nested too deep" if isinstance(exc, RecursionError) else exc
+        raise RavexError(f"{path}: not a readable JSON list of param-group dicts ({why})",
+                         hint="write e.g. [{\"lr\": 0.01, \"weight_decay\": 0.1}, {\"lr\": 0.005, \"weight_decay\": 0.0}]") from None
+    return found
 
 
-def _zero_kwargs(zero_stage: int | None, precision: str | None, buffers: str | None, hyperparameters: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if zero_stage is not None:
-        out["zero_stage"] = zero_stage
-    if precision is not None:
-        out["precision"] = precision
-    if buffers:
-        out["buffers"] = [b.strip() for b in buffers.split(",") if b.strip()]
-    if hyperparameters:
-        try:
-            out["hyperparameters"] = json.loads(Path(hyperparameters).read_text())
-        except (OSError, json.JSONDecodeError, RecursionError) as exc:
-            why = "nested too deep" if isinstance(exc, RecursionError) else exc
-            raise RavexError(f"{hyperparameters}: not a readable JSON list of param-group dicts ({why})",
-                             hint="write e.g. [{\"lr\": 0.01, \"weight_decay\": 0.1}, {\"lr\": 0.005, \"weight_decay\": 0.0}]") from None
+def _writer_flags(fmts: list[registry.Format]) -> list[click.Option]:
+    """One click option per flag the formats' writers declare (formats/options.py), in
+    the order people read the formats; a flag two formats share once, with the
+    choices of both."""
+    seen: dict[str, tuple[str, Flag, Any, list[str]]] = {}
+    for fmt in fmts:
+        for dest, flag, default in fmt.write_options.flags():  # (declared alike: registry.register checks)
+            choices = seen.setdefault(flag.name, (dest, flag, default, []))[3]
+            choices += [c for c in flag.choices if c not in choices]
+    out = []
+    for dest, flag, default, choices in seen.values():
+        kind: Any = (click.Choice(choices) if choices else click.IntRange(*flag.range) if flag.range else flag.type)
+        out.append(click.Option([flag.name, dest], type=kind, default=default, metavar=flag.metavar, help=flag.help,
+                                show_default=flag.show_default))
     return out
+
+
+class _WritingCommand(click.Command):
+    """A command that writes a format: its ``--to`` choices (``convert``) and the
+    writers' own options are the registry's when it runs, so a format registered
+    after this module was imported is a target with its flags."""
+
+    def __init__(self, *args: Any, writers: Callable[[], tuple[str, ...]], to_help: Callable[[], str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fixed = list(self.params)
+        self._writers = writers
+        self._to_help = to_help
+        self._refresh()
+
+    def _refresh(self) -> None:
+        fmts = [registry.get(n) for n in self._writers()]
+        params: list[click.Parameter] = []
+        for p in self._fixed:
+            if p.name == "to" and self._to_help is not None:
+                p = click.Option(["--to", "to"], default=None, type=click.Choice([f.name for f in fmts]), help=self._to_help())
+            params.append(p)
+            if p.name == "world_size":
+                params += _writer_flags(fmts)
+        self.params = params
+        self.writer_fields = {dest for f in fmts for dest, _, _ in f.write_options.flags()}
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        self._refresh()
+        return super().get_params(ctx)
+
+
+def _to_help() -> str:
+    named = [f"{', '.join(f.suffixes)}: {f.name}" for f in sorted(registry.formats(), key=lambda f: f.listed) if f.writes and f.suffixes]
+    return f"Output format. Without it, taken from DST's name ({'; '.join(named)}) and said so."
+
+
+def _writer_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The writers' options out of a command's keyword arguments (what ``_WritingCommand`` added)."""
+    fields: set[str] = getattr(click.get_current_context().command, "writer_fields", set())
+    return {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+
+
+_HYPERPARAMETERS_HELP = ("zero, dcp, torch_save: param-group hyper-parameters (a JSON list, one dict per group) where the source "
+                         "lacks them (DeepSpeed elastic saves); for dcp, every key of the resuming optimizer's param groups.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -178,27 +222,17 @@ _NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (
                  "can leave a DST that looks complete and is not: for scratch outputs.")
 
 
-@main.command("convert")
+@main.command("convert", cls=_WritingCommand, writers=registry.targets, to_help=_to_help)
 @click.argument("src", type=click.Path(path_type=str, readable=False))
 @click.argument("dst", type=click.Path(path_type=str, readable=False))
-@click.option("--to", "to", default=None, type=click.Choice(list(registry.targets())),
-              help="Output format. Without it, taken from DST's name (.safetensors: safetensors; .pt, .pth, .bin: torch_save) and said so.")
+@click.option("--to", "to", default=None)  # its choices and help: the registry's (_WritingCommand)
 @click.option("--weights-only", is_flag=True, help="Leave the optimizer state and other training state out.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float64"]), default=None,
               help="Cast floating-point weights on the way out (optimizer state is never cast).")
 @click.option("--strip-prefix", multiple=True, metavar="PREFIX", help="Remove PREFIX from names (e.g. 'module.', '_orig_mod.'); repeatable.")
-@click.option("--max-shard-size", default=None, metavar="SIZE", help="safetensors: split into shards of at most SIZE (e.g. 5GB) with an index.")
-@click.option("--compression", type=click.Choice(["none", "zstd"]), default=None, help="native: compress chunks with zstd.")
 @click.option("--world-size", default=1, show_default=True, type=click.IntRange(1),
               help="dcp, native: number of ranks to shard into (dim 0, torch.chunk sizes, as FSDP2 does).")
-@click.option("--metadata-form", type=click.Choice(["current", "compat"]), default="current", show_default=True,
-              help="dcp: 'current' .metadata (torch >= 2.15 reads it) or 'compat' (also torch < 2.15).")
-@click.option("--layout", type=click.Choice(["source", "portable", "lightning", "torchtitan"]), default=None,
-              help="torch_save, dcp: where the model and optimizer go. 'source' (default): where SRC had them (a torch.save "
-                   "source's own keys, a Lightning .ckpt's, a DCP source's nesting), else 'portable' {model, optim}; "
-                   "'lightning' (torch_save): a Lightning .ckpt for LightningModule.load_from_checkpoint; 'torchtitan' (dcp): "
-                   "'model' and a flattened 'optimizer', as torchtitan saves and loads.")
-@_zero_options
+@click.option("--hyperparameters", default=None, metavar="FILE.json", help=_HYPERPARAMETERS_HELP)
 @click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
 @click.option("--param-names", "param_names_file", default=None, metavar="FILE",
@@ -212,20 +246,18 @@ _NO_SYNC_HELP = ("Return without waiting for DST to reach the disk, as cp does (
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_handled
-def convert_cmd(src: str, dst: str, to: str | None, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], max_shard_size: str | None,
-                compression: str | None, world_size: int, metadata_form: str, layout: str | None, zero_stage: int | None, precision: str | None,
-                buffers: str | None, hyperparameters: str | None, tag: str | None, index: int, param_names_file: str | None, ties: tuple[str, ...],
-                materialize_ties: bool, force: bool, dry_run: bool, no_sync: bool, as_json: bool, quiet: bool) -> None:
+def convert_cmd(src: str, dst: str, to: str | None, weights_only: bool, dtype: str | None, strip_prefix: tuple[str, ...], world_size: int,
+                hyperparameters: str | None, tag: str | None, index: int, param_names_file: str | None, ties: tuple[str, ...],
+                materialize_ties: bool, force: bool, dry_run: bool, no_sync: bool, as_json: bool, quiet: bool, **flags: Any) -> None:
     """Convert the checkpoint at SRC to another format at DST (bit-exact; weights as the fp32 master copy where SRC has one)."""
     try:
-        names = _read_names(param_names_file)
-        tied = dict(parse_tie(t) for t in ties)
+        writer = _writer_values(flags)
+        options = ravex_convert.ConvertOptions(
+            tag=tag, index=index, param_names=_read_names(param_names_file), ties=dict(parse_tie(t) for t in ties), weights_only=weights_only,
+            dtype=dtype, strip_prefix=strip_prefix, materialize_ties=materialize_ties, world_size=world_size,
+            hyperparameters=_hyperparameters(hyperparameters), force=force, dry_run=dry_run, sync=not no_sync, distributed=True)
         with _progress(quiet) as progress:
-            result = ravex_convert.convert(src, dst, to, tag=tag, index=index, weights_only=weights_only, dtype=dtype,
-                                           strip_prefix=strip_prefix, force=force, dry_run=dry_run, max_shard_size=max_shard_size,
-                                           compression=compression, world_size=world_size, param_names=names,
-                                           metadata_form=metadata_form, layout=layout, progress=progress, sync=not no_sync, distributed=True,
-                                           ties=tied, materialize_ties=materialize_ties, **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
+            result = ravex_convert.convert(src, dst, to, options, writer=writer, progress=progress)
     except RavexError as exc:
         _fail(exc)
     _report(result, dst, as_json)
@@ -249,11 +281,11 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
          f"in {result.get('seconds', 0):.2f} s")
 
 
-@main.command("reshard")
+@main.command("reshard", cls=_WritingCommand, writers=registry.reshardable)
 @click.argument("src", type=click.Path(path_type=str, readable=False))
 @click.argument("dst", type=click.Path(path_type=str, readable=False))
 @click.option("--world-size", required=True, type=click.IntRange(1), help="The number of ranks to reshard to.")
-@_zero_options
+@click.option("--hyperparameters", default=None, metavar="FILE.json", help=_HYPERPARAMETERS_HELP)
 @click.option("--tag", default=None, help="DeepSpeed tag to read (default: the one 'latest' names).")
 @click.option("--index", default=-1, show_default=True, help="Checkpoint of a Ravex store to read (-1: newest complete).")
 @click.option("--tie", "ties", multiple=True, metavar="ALIAS=TARGET",
@@ -265,16 +297,16 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_handled
-def reshard_cmd(src: str, dst: str, world_size: int, zero_stage: int | None, precision: str | None, buffers: str | None,
-                hyperparameters: str | None, tag: str | None, index: int, ties: tuple[str, ...], materialize_ties: bool, force: bool,
-                dry_run: bool, no_sync: bool, as_json: bool, quiet: bool) -> None:
+def reshard_cmd(src: str, dst: str, world_size: int, hyperparameters: str | None, tag: str | None, index: int, ties: tuple[str, ...],
+                materialize_ties: bool, force: bool, dry_run: bool, no_sync: bool, as_json: bool, quiet: bool, **flags: Any) -> None:
     """Change the number of ranks of SRC (DeepSpeed ZeRO, DCP, Ravex store), model and optimizer state, keeping its format."""
     try:
-        tied = dict(parse_tie(t) for t in ties)
+        writer = _writer_values(flags)
+        options = ravex_convert.ConvertOptions(tag=tag, index=index, ties=dict(parse_tie(t) for t in ties), materialize_ties=materialize_ties,
+                                               hyperparameters=_hyperparameters(hyperparameters), force=force, dry_run=dry_run,
+                                               sync=not no_sync, distributed=True)
         with _progress(quiet) as progress:
-            result = ravex_convert.reshard(src, dst, world_size, tag=tag, index=index, force=force, dry_run=dry_run, progress=progress,
-                                           sync=not no_sync, distributed=True, ties=tied, materialize_ties=materialize_ties,
-                                           **_zero_kwargs(zero_stage, precision, buffers, hyperparameters))
+            result = ravex_convert.reshard(src, dst, world_size, options, writer=writer, progress=progress)
     except RavexError as exc:
         _fail(exc)
     _report(result, dst, as_json)

@@ -7,7 +7,7 @@ Importing this package does not import torch.
 from __future__ import annotations
 
 from . import _core
-from .convert import convert, load_state_dict, reshard
+from .convert import ConvertOptions, convert, load_state_dict, reshard
 from .detect import Detection, detect, inspect, read_checkpoint
 from .errors import (
     CorruptCheckpointError,
@@ -29,6 +29,7 @@ __version__: str = _core.__version__
 __all__ = [
     "Checkpoint",
     "CheckpointInfo",
+    "ConvertOptions",
     "CorruptCheckpointError",
     "Detection",
     "IncompleteCheckpointError",

@@ -90,7 +90,7 @@ def select(ckpt: Checkpoint, opts: Options) -> Checkpoint:
     return out
 
 
-# Off only for the duration of a `convert(..., sync=False)` (`--no-sync`): outputs are then
+# Off only for the duration of a `convert(..., ConvertOptions(sync=False))` (`--no-sync`): outputs are then
 # renamed into place without waiting for the disk, like `cp`. Everything else, the runtime's
 # store included, always syncs.
 _DURABLE: contextvars.ContextVar[bool] = contextvars.ContextVar("ravex_durable", default=True)

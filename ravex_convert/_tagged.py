@@ -11,7 +11,7 @@ import base64
 import math
 from typing import Any
 
-from ._unpickle import DType
+from ._torchfile.unpickle import DType
 from .errors import CorruptCheckpointError, RavexError
 from .model import TensorLink
 

@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from inspect import signature
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,152 +20,182 @@ from ._dist import Solo, current, spread
 from ._engine import SourceTable, chunk_bytes, read_many
 from ._limits import MAX_EXPANSION_ENV, max_expansion
 from ._output import Options, durability, out_dtype, select
-from ._torchzip import deferred_crcs
+from ._torchfile.archive import deferred_crcs
 from .detect import detect, inspect, read_checkpoint
 from .errors import CorruptCheckpointError, LayoutMismatchError, RavexError
-from .formats import native, registry
+from .formats import registry
+from .formats.options import WriteOptions, either
 from .model import MODEL, OBJ, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
 from .ties import apply_ties
 from .ties import materialize as materialize_ties_in
 
-__all__ = ["RESHARDABLE", "TARGETS", "convert", "infer_target", "left_out", "load_state_dict", "materialize", "parse_size", "reshard"]
+__all__ = ["RESHARDABLE", "TARGETS", "ConvertOptions", "convert", "infer_target", "left_out", "load_state_dict", "materialize", "reshard"]
 
 # From the registry (formats/registry.py), as registered when this module is imported.
 TARGETS = registry.targets()
 RESHARDABLE = registry.reshardable()
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
-          "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30, "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40}
 
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What every conversion takes, whatever it writes (the target format's own
+    options are its :class:`~ravex_convert.formats.options.WriteOptions`, the
+    ``writer`` argument of :func:`convert`).
 
-def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MiB"``, ``"1048576"`` -> bytes."""
-    s = text.strip().upper().replace(" ", "")
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1
-    if value <= 0 or unit not in _UNITS:
-        raise RavexError(f"'{text}' is not a size", hint="write it like 5GB, 500MiB or 1048576")
-    return int(value * _UNITS[unit])
+    Reading the source:
+        tag: the DeepSpeed tag to read (None: the one ``latest`` names).
+        index: the checkpoint of a Ravex store to read (-1: the newest complete one).
+        param_names: the parameter names in optimizer order, for a source whose
+            optimizer state is keyed by position (torch.save).
+        ties: alias -> parameter name: ties the source never recorded (it stores
+            the tensor once and leaves the tie to the model's code), read as that tensor.
 
+    What goes out:
+        weights_only: leave the optimizer state and other training state out.
+        dtype: cast floating-point weights to it (``"bfloat16"``, ...; optimizer
+            state is never cast).
+        strip_prefix: prefixes removed from names (``"module."``, ``"_orig_mod."``).
+        materialize_ties: write every tied name as a tensor of its own (a strict
+            ``load_state_dict`` of the output then finds each name).
+        world_size: the number of ranks of a sharded output (dcp, native, zero).
+        hyperparameters: one dict per param group, merged into the source's
+            groups where it lacks them (a DeepSpeed elastic save).
 
-# What a DST's name says about the format to write (`ravex convert SRC DST` without --to).
-_SUFFIXES = {".safetensors": "safetensors", ".pt": "torch_save", ".pth": "torch_save", ".bin": "torch_save"}
+    How:
+        force: replace DST if it exists.
+        dry_run: return the plan and write nothing.
+        sync: False (``--no-sync``): DST is renamed into place without waiting for
+            it to reach the disk, as ``cp`` does: faster, but an OS crash or power
+            cut soon after can leave a DST that looks complete and is not.
+        distributed: every process of the job (torchrun) calls :func:`convert` and
+            each writes its share of the output, rank 0 committing (the ``ravex``
+            command sets it); otherwise this process writes all of it.
+    """
+
+    tag: str | None = None
+    index: int = -1
+    param_names: list[str] | None = None
+    ties: Mapping[str, str] | None = None
+    weights_only: bool = False
+    dtype: str | None = None
+    strip_prefix: Sequence[str] = ()
+    materialize_ties: bool = False
+    world_size: int = 1
+    hyperparameters: Sequence[Mapping[str, Any]] | None = None
+    force: bool = False
+    dry_run: bool = False
+    sync: bool = True
+    distributed: bool = False
 
 
 def infer_target(dst: str | Path) -> str:
-    """The format a DST's name asks for: ``.safetensors`` -> safetensors;
-    ``.pt``, ``.pth``, ``.bin`` -> torch_save. Anything else (a directory, a
-    name without a known suffix) is refused: dcp, zero and native all write
-    directories, and which one is meant cannot be told from a name."""
+    """The format a DST's name asks for, by its suffix (each format's
+    ``suffixes`` in the registry: ``.safetensors`` -> safetensors; ``.pt``,
+    ``.pth``, ``.bin`` -> torch_save). Anything else (a directory, a name without
+    a known suffix) is refused: several formats write directories, and which one
+    is meant cannot be told from a name."""
     p = Path(dst)
-    fmt = _SUFFIXES.get(p.suffix.lower())
+    fmt = registry.by_suffix(p.suffix)
     if fmt is None or p.is_dir():
         why = "is a directory" if p.is_dir() else (f"ends in '{p.suffix}'" if p.suffix else "has no suffix")
+        by_name = [(f.name, f.suffixes) for f in sorted(registry.formats(), key=lambda f: f.listed) if f.writes and f.suffixes]
+        said = [f"{name} for {'a name ending in ' if not i else ''}{either(sfx)}" for i, (name, sfx) in enumerate(by_name)]
         raise RavexError(f"{dst}: cannot tell which format to write: the name {why}",
-                         hint="pass --to (safetensors, torch_save, dcp, zero or native); without it Ravex writes safetensors "
-                         "for a name ending in .safetensors and torch_save for .pt, .pth or .bin")
+                         hint=f"pass --to ({either(registry.targets())}); without it Ravex writes {' and '.join(said)}")
     return fmt
+
+
+def _writer_options(fmt: registry.Format, writer: WriteOptions | Mapping[str, Any] | None) -> WriteOptions:
+    """``fmt``'s own options from what the caller gave: its options object, or
+    field name -> value (the CLI gives every format's flags; one ``fmt`` does not
+    take is refused unless it is at its default)."""
+    cls = fmt.write_options
+    if writer is None:
+        return cls()
+    if isinstance(writer, WriteOptions):
+        if not isinstance(writer, cls):
+            raise RavexError(f"{type(writer).__name__} are not the options of a {fmt.name} output",
+                             hint=f"pass {cls.__name__}(...), or a dict of its fields")
+        return writer
+    return cls.build(fmt, writer, [f for f in sorted(registry.formats(), key=lambda f: f.listed) if f.writes])
 
 
 def convert(
     src: str | Path,
     dst: str | Path,
     to: str | None = None,
+    options: ConvertOptions | None = None,
     *,
-    tag: str | None = None,
-    index: int = -1,
-    weights_only: bool = False,
-    dtype: str | None = None,
-    strip_prefix: Sequence[str] = (),
-    force: bool = False,
-    dry_run: bool = False,
-    max_shard_size: int | str | None = None,
-    compression: str | None = None,
-    world_size: int = 1,
-    param_names: list[str] | None = None,
-    metadata_form: str = "current",
-    layout: str | None = None,
-    zero_stage: int | None = None,
-    precision: str | None = None,
-    buffers: Sequence[str] | None = None,
-    hyperparameters: Sequence[dict[str, Any]] | None = None,
+    writer: WriteOptions | Mapping[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
-    sync: bool = True,
-    distributed: bool = False,
-    ties: Mapping[str, str] | None = None,
-    materialize_ties: bool = False,
 ) -> dict[str, Any]:
-    """Convert the checkpoint at ``src`` into format ``to`` at ``dst`` (``to``
-    None: taken from ``dst``'s name, see :func:`infer_target`, and said so in
-    the notes).
+    """Convert the checkpoint at ``src`` into format ``to`` at ``dst``.
 
-    Returns a summary (tensors, bytes, files, seconds; with ``dry_run`` the plan
-    instead, and nothing is written). Raises :class:`RavexError` subclasses.
-    ``progress``, if given, is called with the number of bytes written after
-    each batch of about 256 MiB; if it also has an ``add_total(n)`` method,
-    that is called before each copy job with the bytes the job will write (a
-    conversion runs one job, or a few), so a bar can show an ETA.
-    With ``sync=False`` (``--no-sync``) the output is renamed into place without
-    waiting for it to reach the disk, as ``cp`` does: faster, but an OS crash or
-    power cut soon after can leave a DST that looks complete and is not.
-    With ``distributed=True`` (the ``ravex`` command under torchrun sets it) every
-    process of the job calls this and each writes its share of the output, rank 0
-    committing; otherwise this process writes all of it, whatever else runs.
-    Whatever of the source is not carried over is listed under ``left_out``
-    (files of a source directory no reader took, optimizer and training state
-    a weights-only output drops) and named in ``notes``.
-    ``ties`` (alias -> parameter name): ties the source never recorded (it stores
-    the tensor once and leaves the tie to the model's code), read as that tensor;
-    ``materialize_ties`` writes every tied name as a tensor of its own (a strict
-    ``load_state_dict`` of the output then finds each name).
-    ``layout`` (torch_save): ``"source"`` (None: the model and optimizer where the
-    source had them, else the portable ``{"model", "optim"}``), ``"portable"``, or
-    ``"lightning"`` (a Lightning ``.ckpt`` that ``load_from_checkpoint`` loads);
-    (dcp) ``"source"``, ``"portable"`` or ``"torchtitan"`` (``model`` and a
-    flattened ``optimizer``).
+    Args:
+        src: the checkpoint, any format Ravex reads (detected).
+        dst: where the output goes; an existing one is refused unless
+            ``options.force`` (a native store gets a new checkpoint appended).
+        to: a format Ravex writes (:data:`TARGETS`); None: taken from ``dst``'s
+            name (see :func:`infer_target`), and said so in the notes.
+        options: what every conversion takes (:class:`ConvertOptions`; None: its defaults).
+        writer: the target format's own options: its
+            :class:`~ravex_convert.formats.options.WriteOptions` subclass
+            (``registry.get(to).write_options``: ``ZeroOptions(zero_stage=3)``,
+            ``DcpOptions(layout="torchtitan")``, ...), or a dict of its fields
+            (``{"zero_stage": 3}``); None: the format's defaults.
+        progress: called with the number of bytes written after each batch of
+            about 256 MiB; if it also has an ``add_total(n)`` method, that is
+            called before each copy job with the bytes the job will write (a
+            conversion runs one job, or a few), so a bar can show an ETA.
+
+    Returns:
+        A summary (tensors, bytes, files, seconds; with ``dry_run`` the plan
+        instead, and nothing is written). Whatever of the source is not carried
+        over is listed under ``left_out`` (files of a source directory no reader
+        took, optimizer and training state a weights-only output drops) and named
+        in ``notes``.
+
+    Raises:
+        RavexError: its subclasses say what is wrong with the source or the request.
     """
+    o = options or ConvertOptions()
     chosen: list[str] = []
     if to is None:
         to = infer_target(dst)
         chosen.append(f"writing {to} (no --to given; chosen from the name {Path(dst).name})")
-    if to not in TARGETS:
-        raise RavexError(f"--to {to}: not a format Ravex writes yet", hint=f"use one of {', '.join(TARGETS)}")
-    if layout is not None and "layout" not in signature(registry.get(to).write).parameters:
-        raise RavexError(f"--layout {layout} applies to torch_save and dcp outputs, not {to}", hint="leave --layout out, or write --to torch_save or dcp")
-    if to == "zero" and zero_stage not in (1, 2, 3):
-        raise RavexError(f"--to zero needs --zero-stage 1, 2 or 3 (got {zero_stage})", hint="choose the stage the resumed run will use")
-    if isinstance(max_shard_size, str):
-        max_shard_size = parse_size(max_shard_size)
-    if compression not in (None, "none", "zstd"):
-        raise RavexError(f"--compression {compression}: unknown", hint="use none or zstd")
-    opts = Options(weights_only=weights_only or to == "safetensors", dtype=dtype, strip_prefix=list(strip_prefix), force=force,
-                   max_shard_size=max_shard_size, compression=None if compression in (None, "none") else compression, world_size=world_size)
+    if to not in registry.targets():
+        raise RavexError(f"--to {to}: not a format Ravex writes yet", hint=f"use one of {', '.join(registry.targets())}")
+    fmt = registry.get(to)
+    own = _writer_options(fmt, writer)
+    own.check()
+    opts = Options(weights_only=o.weights_only or own.weights_only, dtype=o.dtype, strip_prefix=list(o.strip_prefix), force=o.force,
+                   world_size=o.world_size)
+    opts, keywords = own.writer_args(opts)
+    if own.merges_hyperparameters:
+        keywords["hyperparameters"] = o.hyperparameters
     t0 = time.perf_counter()
     # In one process the sources' CRC-32s are checked from the copy's own reads (the data is read
     # once, not twice); under torchrun each rank copies a share, and the readers check as they read.
-    with contextlib.nullcontext() if distributed and current().size > 1 else deferred_crcs():
-        ckpt = read_checkpoint(src, tag=tag, index=index, param_names=param_names)
+    with contextlib.nullcontext() if o.distributed and current().size > 1 else deferred_crcs():
+        ckpt = read_checkpoint(src, tag=o.tag, index=o.index, param_names=o.param_names)
         if not opts.weights_only and "optimizer_error" in ckpt.source:
             raise ckpt.source["optimizer_error"]
-        if ties:
-            apply_ties(ckpt, ties)
+        if o.ties:
+            apply_ties(ckpt, o.ties)
         out = select(ckpt, opts)
-        if materialize_ties:
+        if o.materialize_ties:
             made = materialize_ties_in(out)
             chosen.append(f"tied names written as tensors of their own: {', '.join(made)}" if made else "--materialize-ties: the checkpoint has no tied names")
         _bounded(ckpt, out, opts, src)
-        _param_groups(out, to, opts, hyperparameters)
-        if ckpt.format == "native" and not dry_run:
-            # the store's checksums are checked before any byte is used (docs/format.md section 12)
-            native.verify_chunks(ckpt, [n for n in ckpt.tensors if not opts.weights_only or n.startswith(MODEL)])
+        _param_groups(out, fmt, opts, o.hyperparameters)
+        if not o.dry_run:
+            # checksums a format records and its reader does not check, checked before any byte is used
+            # (a native store's: docs/format.md section 12)
+            _verify_chunks(ckpt, [n for n in ckpt.tensors if not opts.weights_only or n.startswith(MODEL)])
         dropped = left_out(src, ckpt, opts, to)
         notes = chosen + list(ckpt.notes) + [_drop_note(d) for d in dropped]
         dst = Path(dst)
-        if dry_run:
+        if o.dry_run:
             try:
                 summary = plan(out, opts)
             except _core.CorruptSourceError as exc:
@@ -175,12 +205,18 @@ def convert(
             return summary
         # Only when asked (the CLI asks): a script under torchrun that converts on rank 0 alone
         # must not wait for ranks that never call convert.
-        with durability(sync), spread(current() if distributed else Solo()):
-            result = _write(out, dst, to, opts, progress, zero_stage=zero_stage, precision=precision, buffers=buffers,
-                            hyperparameters=hyperparameters, metadata_form=metadata_form, layout=layout)
+        with durability(o.sync), spread(current() if o.distributed else Solo()):
+            result: dict[str, Any] = fmt.write(out, dst, opts, progress=progress, **keywords)
         result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
-                       "left_out": dropped, "seconds": time.perf_counter() - t0, "synced": sync})
+                       "left_out": dropped, "seconds": time.perf_counter() - t0, "synced": o.sync})
         return result
+
+
+def _verify_chunks(ckpt: Checkpoint, names: list[str]) -> None:
+    """The source format's own checksum check (the registry's ``verify_chunks``), where it has one."""
+    check = registry.get(ckpt.format).verify_chunks
+    if check is not None:
+        check(ckpt, names)
 
 
 def _bounded(ckpt: Checkpoint, out: Checkpoint, opts: Options, src: str | Path) -> None:
@@ -209,27 +245,29 @@ def _bounded(ckpt: Checkpoint, out: Checkpoint, opts: Options, src: str | Path) 
 
 # Hyper-parameters an optimizer steps with, which a loader must find in each param group.
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
-_HYPER_HINT = ("pass them with --hyperparameters FILE.json (hyperparameters=[...] in Python), one dict per param group, in order. "
+_HYPER_HINT = ("pass them with --hyperparameters FILE.json (ConvertOptions(hyperparameters=[...]) in Python), one dict per param group, in order. "
                "Loading DCP into a live optimizer needs every key of its param groups, so write them from the optimizer the run resumes with: "
                "json.dump([{k: v for k, v in g.items() if k != 'params'} for g in optimizer.state_dict()['param_groups']], f). "
                "Or pass --weights-only to leave the optimizer state out")
 
 
-def _param_groups(out: Checkpoint, to: str, opts: Options, given: Sequence[Mapping[str, Any]] | None) -> None:
+def _param_groups(out: Checkpoint, fmt: registry.Format, opts: Options, given: Sequence[Mapping[str, Any]] | None) -> None:
     """Param groups complete enough for the target's loaders, or a refusal.
 
     An elastic DeepSpeed checkpoint saves no hyper-parameters (a group is its
     parameter names only). torch's ``Optimizer.load_state_dict`` replaces each
     group by the saved one and DCP's loader wants every key of the live
     optimizer's state dict, so a DCP or torch_save output without them does not
-    resume; ``given`` (``--hyperparameters``) fills them in. The ZeRO writer
-    does the same itself."""
+    resume (the formats whose options say ``needs_param_groups``); ``given``
+    (``--hyperparameters``) fills them in. A writer that merges them itself
+    (``merges_hyperparameters``: the ZeRO writer) gets them as they are."""
+    to, own = fmt.name, fmt.write_options
     groups = out.objects.get("optim.param_groups")
     if given is not None:
         if opts.weights_only:
             raise RavexError("--hyperparameters applies to outputs with optimizer state; this one is weights only "
-                             f"({'safetensors holds weights only' if to == 'safetensors' else '--weights-only'})",
-                             hint="leave --hyperparameters out, or write torch_save, dcp, zero or native")
+                             f"({f'{to} holds weights only' if own.weights_only else '--weights-only'})",
+                             hint=f"leave --hyperparameters out, or write {either(_keeps_optimizer())}")
         if not isinstance(given, Sequence) or not all(isinstance(g, Mapping) for g in given):
             raise RavexError("--hyperparameters must be a JSON list with one dict per param group",
                              hint='write e.g. [{"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0.1}]')
@@ -239,8 +277,8 @@ def _param_groups(out: Checkpoint, to: str, opts: Options, given: Sequence[Mappi
         if len(given) != len(groups):
             raise LayoutMismatchError(f"--hyperparameters has {len(given)} entries; {out.path} has {len(groups)} param groups",
                                       hint="pass one dict per param group, in order")
-        if to == "zero":
-            return  # the ZeRO writer merges them itself (and checks them against DeepSpeed's needs)
+        if own.merges_hyperparameters:
+            return  # the writer merges them itself (and checks them against its loader's needs)
         merged = []
         for entry, extra in zip(groups, given):
             hyper = {str(k): v for k, v in extra.items() if k != "params"}
@@ -249,7 +287,7 @@ def _param_groups(out: Checkpoint, to: str, opts: Options, given: Sequence[Mappi
             merged.append({**(entry if isinstance(entry, dict) else {}), **hyper})
         out.objects["optim.param_groups"] = merged
         groups = merged
-    if to not in ("dcp", "torch_save") or not isinstance(groups, list) or not any(n.startswith(OPTIM) for n in out.tensors):
+    if own.needs_param_groups is None or not isinstance(groups, list) or not any(n.startswith(OPTIM) for n in out.tensors):
         return
     need = _ADAM_KEYS if {"exp_avg", "exp_avg_sq"} & set(out.optimizer_state_names()) else ("lr",)
     for g, entry in enumerate(groups):
@@ -257,15 +295,14 @@ def _param_groups(out: Checkpoint, to: str, opts: Options, given: Sequence[Mappi
         if missing:
             elastic = isinstance(entry, dict) and not entry.keys() - {"params"}
             why = " (an elastic DeepSpeed checkpoint does not save them)" if elastic else ""
-            fails = (f"dcp.load stops with 'Missing key in checkpoint state_dict: optim.param_groups.{g}.{missing[0]}'" if to == "dcp" else
-                     "torch's optimizer.load_state_dict replaces each param group by the saved one, so the optimizer would step without them")
+            fails = own.needs_param_groups.format(g=g, key=missing[0])
             raise LayoutMismatchError(f"{out.path}: param group {g} has no {', '.join(missing)}{why}; a {to} checkpoint without them "
                                       f"does not resume ({fails})", hint=_HYPER_HINT)
 
 
-# Files a format's reader takes that ``inspect`` does not list as the checkpoint's own:
-# pointers and store-level records.
-_POINTERS = {"zero": ("latest",), "hf_trainer": ("latest",), "native": ("manifest.json", "ravex-store.json", "lock")}
+def _keeps_optimizer() -> list[str]:
+    """The formats Ravex writes that hold optimizer state, in the order people read them."""
+    return [n for n in registry.targets() if not registry.get(n).write_options.weights_only]
 
 
 def left_out(src: str | Path, ckpt: Checkpoint, opts: Options, to: str) -> list[dict[str, Any]]:
@@ -280,7 +317,7 @@ def left_out(src: str | Path, ckpt: Checkpoint, opts: Options, to: str) -> list[
     if root.is_dir():
         out += _unread_files(root, ckpt)
     if opts.weights_only:
-        why = ("safetensors holds weights only (--to torch_save, dcp or native keeps it)" if to == "safetensors"
+        why = (f"{to} holds weights only (--to {either(_keeps_optimizer())} keeps it)" if registry.get(to).write_options.weights_only
                else "--weights-only asked to leave it out")
         optim = [n for n in ckpt.tensors if n.startswith(OPTIM)]
         if optim or "optim.param_groups" in ckpt.objects:
@@ -306,9 +343,11 @@ def _drop_note(d: dict[str, Any]) -> str:
 
 def _unread_files(root: Path, ckpt: Checkpoint) -> list[dict[str, Any]]:
     """Files under ``root`` that are not part of the checkpoint read from it."""
+    fmt = registry.get(ckpt.format)
+    index = ckpt.source.get("index")
     try:
-        info = inspect(root, tag=ckpt.source.get("tag") if ckpt.format == "zero" else None,  # (a Trainer's DeepSpeed root names one tag)
-                       index=ckpt.source["index"] if ckpt.format == "native" and isinstance(ckpt.source.get("index"), int) else -1)
+        # the checkpoint read, where the format takes a choice of one (a Trainer's DeepSpeed root names one tag: not passed)
+        info = inspect(root, **fmt.given(tag=ckpt.source.get("tag"), index=index if isinstance(index, int) else -1))
     except Exception as exc:  # noqa: BLE001 - the reader took the checkpoint; this listing must not fail the conversion
         why = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
         return [{"what": f"{root}/", "kind": "unchecked", "reason": f"could not tell which of its files the checkpoint leaves aside ({why})"}]
@@ -316,7 +355,7 @@ def _unread_files(root: Path, ckpt: Checkpoint) -> list[dict[str, Any]]:
     taken = {_key(base / f.path) for f in info.files}
     taken |= {_key(root / f.path) for f in info.files}
     taken |= {_key(c.file) for t in ckpt.tensors.values() for c in t.chunks if c.file is not None}
-    taken |= {_key(root / n) for n in _POINTERS.get(ckpt.format, ())}
+    taken |= {_key(root / n) for n in fmt.pointers}
     # directory -> (files under it, of which not taken), without following links out of the tree
     unread: dict[Path, list[Path]] = {}
     total: dict[Path, int] = {}
@@ -362,29 +401,26 @@ def _key(p: Path) -> str:
     return os.path.realpath(p)
 
 
-def _write(out: Checkpoint, dst: Path, to: str, opts: Options, progress: Callable[[int], None] | None, *, zero_stage: int | None,
-           precision: str | None, buffers: Sequence[str] | None, hyperparameters: Sequence[dict[str, Any]] | None,
-           metadata_form: str, layout: str | None = None) -> dict[str, Any]:
-    """The target format's writer (from the registry), given the options it takes."""
-    write = registry.get(to).write
-    offered = {"progress": progress, "zero_stage": zero_stage, "precision": precision, "buffers": buffers,
-               "hyperparameters": hyperparameters, "metadata_form": metadata_form, "layout": layout}
-    takes = signature(write).parameters
-    result: dict[str, Any] = write(out, dst, opts, **{k: v for k, v in offered.items() if k in takes})
-    return result
-
-
-def reshard(src: str | Path, dst: str | Path, world_size: int, **kwargs: Any) -> dict[str, Any]:
+def reshard(src: str | Path, dst: str | Path, world_size: int, options: ConvertOptions | None = None, *,
+            writer: WriteOptions | Mapping[str, Any] | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Change the number of ranks of a sharded checkpoint, keeping its format
-    (model and optimizer state). Takes :func:`convert`'s keyword options."""
+    (model and optimizer state).
+
+    Args:
+        src: the checkpoint, of a format with ranks (:data:`RESHARDABLE`).
+        dst: where the resharded checkpoint goes.
+        world_size: the number of ranks to reshard to (``options.world_size`` is ignored).
+        options, writer, progress: as :func:`convert`'s; an option of the format's
+            own left out keeps the source's value where the format says so (a ZeRO
+            run's stage).
+    """
     fmt = detect(src).format
     if fmt not in RESHARDABLE:
         raise RavexError(f"{src}: a {fmt} checkpoint has no ranks to reshard",
                          hint="`ravex convert` changes its format; reshard works on " + ", ".join(RESHARDABLE))
-    if fmt == "zero" and kwargs.get("zero_stage") is None:
-        # keep the stage the run used (BF16_Optimizer runs ZeRO-1)
-        kwargs["zero_stage"] = inspect(src, tag=kwargs.get("tag")).zero_stage
-    return convert(src, dst, fmt, world_size=world_size, **kwargs)
+    o = replace(options or ConvertOptions(), world_size=world_size)
+    own = _writer_options(registry.get(fmt), writer).for_reshard(src, o.tag)
+    return convert(src, dst, fmt, o, writer=own, progress=progress)
 
 
 # A dry run hands the core this many source chunks per call at most: its memory stays
@@ -453,8 +489,7 @@ def load_state_dict(path: str | Path, *, tag: str | None = None, index: int = -1
     ckpt = read_checkpoint(path, tag=tag, index=index, param_names=param_names)
     if optimizer and "optimizer_error" in ckpt.source:
         raise ckpt.source["optimizer_error"]
-    if ckpt.format == "native":
-        native.verify_chunks(ckpt, [n for n in ckpt.tensors if n.startswith(MODEL) or (optimizer and n.startswith(OPTIM))])
+    _verify_chunks(ckpt, [n for n in ckpt.tensors if n.startswith(MODEL) or (optimizer and n.startswith(OPTIM))])
     tensors: dict[str, Any] = {}
     wanted = [t for name, t in ckpt.tensors.items() if name.startswith(MODEL) or (optimizer and name.startswith(OPTIM))]
     for t in wanted:

@@ -25,7 +25,7 @@ from typing import Any
 
 from ._dist import ambient, local_size
 from ._engine import CopyJob, Target
-from ._torchzip import check_deferred, deferring
+from ._torchfile.archive import check_deferred, deferring
 from .errors import RavexError, from_os_error
 from .model import LogicalTensor, Region
 from .storage import resolve

@@ -112,9 +112,24 @@ def verify(a: str | Path, b: str | Path, *, weights_only: bool = False, atol: fl
     wherever each format keeps it (``optim`` or ``optimizer``, nested or
     flattened); names that differ by a wrapper's prefix alone (``module.``,
     ``_orig_mod.``) are matched without it. ``matched`` says how, where that
-    is not plain. ``param_names``: the parameter names in optimizer order, for
-    each side whose optimizer state is keyed by position (a torch.save file;
-    ``param_names_a`` / ``_b`` for one side only)."""
+    is not plain. Checksums a format records and its reader does not check
+    (the registry's ``verify_chunks``: a native store's) are checked first.
+
+    Args:
+        a, b: the two checkpoints, any formats Ravex reads.
+        weights_only: compare the model weights only, not the optimizer state.
+        atol, rtol: absolute and relative tolerance (0, 0: bit-exact).
+        tag_a, tag_b: the DeepSpeed tag to read on each side (None: the one ``latest`` names).
+        index_a, index_b: the checkpoint of a Ravex store on each side (-1: the newest complete one).
+        param_names: the parameter names in optimizer order, for each side
+            whose optimizer state is keyed by position (a torch.save file);
+            ``param_names_a`` / ``param_names_b`` for one side only.
+
+    Returns:
+        A :class:`VerifyResult` (``identical``, ``differences``, ``compared``, ``matched``, ...).
+
+    Raises:
+        RavexError: a side cannot be read, or its stored checksums do not match."""
     ca = read_checkpoint(a, tag=tag_a, index=index_a, param_names=param_names_a or _if_taken(a, param_names))
     cb = read_checkpoint(b, tag=tag_b, index=index_b, param_names=param_names_b or _if_taken(b, param_names))
     for c in (ca, cb):

@@ -142,7 +142,7 @@ class Coord:
     def probe(self, store: str | Path) -> list[bool]:
         """Which ranks see the store rank 0 sees: rank 0 leaves a token object there (through the
         storage layer), each rank looks for it in its own view of ``store``, rank 0 deletes it. By rank."""
-        from ravex_convert.formats.native_store import where
+        from ravex_convert.formats.native.store import where
 
         token = f"{PROBE_PREFIX}{self.prefix.split('/')[1]}"
         w = where(store)

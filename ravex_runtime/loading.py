@@ -23,7 +23,7 @@ def load_checkpoint(path: Path, index: int = -1, *, lazy: bool = False) -> tuple
     ``lazy``: no tensor is read (the dict is empty): a rank of a sharded run reads its
     own part when the live objects exist (:func:`read_for`)."""
     from ravex_convert._engine import read_many
-    from ravex_convert.formats import native
+    from ravex_convert.formats.native import reader as native
 
     ckpt = native.read(path, index)
     native.verify_chunks(ckpt)

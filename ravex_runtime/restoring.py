@@ -854,7 +854,7 @@ class Resume:
             self.unrestorable.append(index)
 
     def _native_candidates(self, store: Path) -> Iterator[tuple[int | None, str, _Found]]:
-        from ravex_convert.formats import native
+        from ravex_convert.formats.native import reader as native
 
         manifest = native.read_manifest(store)
         entries = [e for e in manifest["checkpoints"] if isinstance(e, dict) and e.get("status") == "complete"]

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, cast
 
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
-from ravex_convert.formats.native_store import empty_manifest
+from ravex_convert.formats.native.store import empty_manifest
 
 from . import config as _config
 from ._passthrough import Passthrough
@@ -293,7 +293,7 @@ class Session:
     # ------------------------------------------------------------ the store
 
     def _take_lock(self) -> None:
-        from ravex_convert.formats import native_store
+        from ravex_convert.formats.native import store as native_store
 
         w = native_store.where(self.dst)
         if not w.posix:
@@ -324,7 +324,7 @@ class Session:
         """The run lock on object storage (no directory to flock): the lease object ``<store>/run-lock``
         (docs/format.md section 3), held until :meth:`close`; the writer's own lease (``<store>/lock``)
         is taken per write, as the lock file is locally."""
-        from ravex_convert.formats.native_store import RUN_LOCK
+        from ravex_convert.formats.native.store import RUN_LOCK
         from ravex_convert.storage import PreconditionFailed
 
         bucket = getattr(w.storage, "root", None)
@@ -352,7 +352,7 @@ class Session:
     def _refuse_foreign(self, store: Path, names: dict[str, Path | None], *, shown: str | None = None) -> None:
         """A store without its marker: refuse what is not an empty directory or what an interrupted
         creation leaves. ``names``: the store's top-level entries (a local path each; None on object storage)."""
-        from ravex_convert.formats.native_store import LOCK, RUN_LOCK
+        from ravex_convert.formats.native.store import LOCK, RUN_LOCK
 
         from .dist import PROBE_PREFIX
         from .loading import TS_FILE
@@ -794,7 +794,7 @@ class Session:
     def _write(self, snap: Snapshot) -> None:
         from ravex_convert import _dist
         from ravex_convert._output import Options
-        from ravex_convert.formats import native_write
+        from ravex_convert.formats.native import writer as native_write
 
         from .state import to_checkpoint
 

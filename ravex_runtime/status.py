@@ -70,7 +70,7 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
     (logical), bytes_on_disk (files in its own directory), created_unix, complete, problem, run_id, ranks: who wrote it in a
     run on many ranks, else None; began_from: the other program's checkpoint the run began from, else None) and
     ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint)."""
-    from ravex_convert.formats.native import CHECKPOINT, MANIFEST, STORE_MARKER
+    from ravex_convert.formats.native.reader import CHECKPOINT, MANIFEST, STORE_MARKER
     from ravex_convert.storage import local_view
 
     store = local_view(path) if path is not None else _default_store()

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,24 @@ def inspect_json(path: Path, *extra: str) -> dict[str, Any]:
     res = run_ravex("inspect", path, "--json", *extra)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
+
+
+@pytest.fixture(autouse=True)
+def _registry_left_as_found() -> Iterator[None]:
+    """A test that registers a format must take it out again (``registry.registered``):
+    a format left behind would change detection, ``--to`` and the CLI's options for
+    every later test. Put back, and the test fails."""
+    from ravex_convert.formats import registry
+
+    before = list(registry.formats())
+    yield
+    after = list(registry.formats())
+    if after != before:
+        for f in after:
+            registry.unregister(f.name)
+        for f in before:
+            registry.register(f)
+        pytest.fail(f"the test left the format registry changed: {[f.name for f in before]} -> {[f.name for f in after]}")
 
 
 def fixture_dirs() -> list[str]:

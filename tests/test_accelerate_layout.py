@@ -23,6 +23,7 @@ from conftest import run_ravex
 from safetensors.torch import load_file, save_file
 
 import ravex_convert
+from ravex_convert import ConvertOptions
 from ravex_convert.errors import LayoutMismatchError, RavexError
 
 SCRIPT = Path(__file__).with_name("_accelerate_train.py")
@@ -89,7 +90,7 @@ def test_named_state_is_the_live_state(run: Path, tmp_path: Path) -> None:
 
 def test_load_state_resumes_ravex_output_exactly(run: Path, acc_resumed: dict[str, torch.Tensor], tmp_path: Path) -> None:
     store, back = tmp_path / "store", tmp_path / "state"
-    ravex_convert.convert(run / "state", store, to="native", param_names=names(run))
+    ravex_convert.convert(run / "state", store, to="native", options=ConvertOptions(param_names=names(run)))
     res = run_ravex("convert", store, back, "--to", "accelerate")
     assert res.returncode == 0, res.stderr
     assert (back / "random_states_0.pkl").read_bytes() == (run / "state" / "random_states_0.pkl").read_bytes()
@@ -101,7 +102,7 @@ def test_load_state_resumes_ravex_output_exactly(run: Path, acc_resumed: dict[st
 
 def test_the_comparison_sees_a_lost_rng_state(run: Path, acc_resumed: dict[str, torch.Tensor], tmp_path: Path) -> None:
     """Control: without random_states_0.pkl the resume differs, so the test above checks the carried RNG."""
-    ravex_convert.convert(run / "state", tmp_path / "state", to="accelerate", param_names=names(run))
+    ravex_convert.convert(run / "state", tmp_path / "state", to="accelerate", options=ConvertOptions(param_names=names(run)))
     (tmp_path / "state" / "random_states_0.pkl").unlink()
     assert not equal(train(tmp_path / "resumed", tmp_path / "state"), acc_resumed)
 

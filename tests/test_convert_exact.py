@@ -344,16 +344,16 @@ def test_no_sync_writes_the_same_checkpoint_without_waiting_for_the_disk(to: str
     monkeypatch.setattr(os, "fsync", counted)
     src = DATA / "zero2_ws2_fp32" / "checkpoint"
     kw: dict[str, Any] = {"zero_stage": 2} if to == "zero" else {}
-    ravex_convert.convert(src, tmp_path / "synced", to, world_size=2, **kw)
+    ravex_convert.convert(src, tmp_path / "synced", to, ravex_convert.ConvertOptions(world_size=2), writer=kw)
     synced = len(calls)
     calls.clear()
-    result = ravex_convert.convert(src, tmp_path / "unsynced", to, world_size=2, sync=False, **kw)
+    result = ravex_convert.convert(src, tmp_path / "unsynced", to, ravex_convert.ConvertOptions(world_size=2, sync=False), writer=kw)
     assert synced > 0 and calls == [], (synced, calls)
     assert result["synced"] is False
     same = ravex_convert.verify(tmp_path / "synced", tmp_path / "unsynced")
     assert same.identical and same.compared > 0
     # and syncing is back on after the call (the runtime's store always syncs)
-    ravex_convert.convert(src, tmp_path / "again", to, world_size=2, **kw)
+    ravex_convert.convert(src, tmp_path / "again", to, ravex_convert.ConvertOptions(world_size=2), writer=kw)
     assert calls
 
 
@@ -377,7 +377,7 @@ def test_progress_is_told_the_total_before_the_bytes(to: str, tmp_path: Path) ->
             events.append(("total", n))
 
     kw: dict[str, Any] = {"zero_stage": 2} if to == "zero" else {}
-    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", tmp_path / "out", to, world_size=2, progress=Bar(), **kw)
+    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", tmp_path / "out", to, ravex_convert.ConvertOptions(world_size=2), writer=kw, progress=Bar())
     assert events and events[0][0] == "total", events
     # every job announces its bytes before it writes them, and writes exactly those
     announced = done = 0
@@ -391,5 +391,6 @@ def test_progress_is_told_the_total_before_the_bytes(to: str, tmp_path: Path) ->
     assert done == announced > 0, events
     # a plain callable (no add_total) still works
     seen: list[int] = []
-    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", tmp_path / "out2", to, world_size=2, progress=seen.append, **kw)
+    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", tmp_path / "out2", to, ravex_convert.ConvertOptions(world_size=2), writer=kw,
+                          progress=seen.append)
     assert sum(seen) == done

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from conftest import DATA
 
-from ravex_convert import _core, _torchzip, convert, read_checkpoint
+from ravex_convert import ConvertOptions, _core, convert, read_checkpoint
+from ravex_convert._torchfile import archive as _torchzip
 from ravex_convert.errors import CorruptCheckpointError
 
 DCP = DATA / "fsdp2_ws3" / "checkpoint"
@@ -40,7 +41,7 @@ def reread(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize(("src", "to", "kw"), [(DCP, "torch_save", {}), (DCP, "dcp", {"world_size": 2})], ids=["dcp-to-torch_save", "dcp-reshard"])
 def test_a_whole_conversion_reads_its_source_once(src: Path, to: str, kw: dict[str, Any], tmp_path: Path, reread: list[int]) -> None:
-    convert(src, tmp_path / "out", to, **kw)
+    convert(src, tmp_path / "out", to, ConvertOptions(**kw))
     assert sum(reread) == 0  # every stored byte was copied unchanged: its CRC came from the copy
     read_checkpoint(src)  # outside a conversion the reader checks by reading, as before
     assert sum(reread) > 0
@@ -50,7 +51,7 @@ def test_a_zero_reshard_reads_again_only_what_it_does_not_copy(tmp_path: Path, r
     read_checkpoint(ZERO)
     eager = sum(reread)
     reread.clear()
-    convert(ZERO, tmp_path / "out", "zero", world_size=3, zero_stage=3)
+    convert(ZERO, tmp_path / "out", "zero", ConvertOptions(world_size=3), writer={"zero_stage": 3})
     # the partitions' alignment padding (never copied) is read to be checked; in this tiny
     # fixture it is a fifth of the bytes, in a real checkpoint a few bytes per parameter
     assert 0 < sum(reread) < eager / 2, (sum(reread), eager)
@@ -93,7 +94,7 @@ def test_a_flipped_bit_in_a_copied_dcp_item_is_refused_and_nothing_is_left(tmp_p
     out = tmp_path / "out" / "model.pt"
     out.parent.mkdir()
     with pytest.raises(CorruptCheckpointError, match="fails its CRC-32 check") as info:
-        convert(src, out, "torch_save", dry_run=dry_run)
+        convert(src, out, "torch_save", ConvertOptions(dry_run=dry_run))
     assert str(file) in info.value.message
     assert list(out.parent.iterdir()) == []
 

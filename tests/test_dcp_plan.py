@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 from conftest import DATA
 
-from ravex_convert import RavexError, _torchwrite, read_checkpoint
+from ravex_convert import RavexError, read_checkpoint
 from ravex_convert._core import DcpLayout
 from ravex_convert._layout import PathItem
 from ravex_convert._output import Options
-from ravex_convert._torchwrite import PickleDict, PickleGlobal, PickleObject, dumps
-from ravex_convert.formats import dcp_write
+from ravex_convert._torchfile import write as _torchwrite
+from ravex_convert._torchfile.write import PickleDict, PickleGlobal, PickleObject, dumps
+from ravex_convert.formats.dcp import writer as dcp_write
 from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint, Chunk, Flat, LogicalTensor, dim0_shards
 
 _MD = "torch.distributed.checkpoint.metadata"

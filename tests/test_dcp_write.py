@@ -29,11 +29,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import ravex_convert
-from ravex_convert import RavexError, _torchwrite, read_checkpoint
+from ravex_convert import RavexError, read_checkpoint
 from ravex_convert._engine import CopyJob
 from ravex_convert._output import Options
-from ravex_convert.formats import dcp as dcp_read
-from ravex_convert.formats import dcp_write
+from ravex_convert._torchfile import write as _torchwrite
+from ravex_convert.formats.dcp import reader as dcp_read
+from ravex_convert.formats.dcp import writer as dcp_write
 from ravex_convert.model import Box, Checkpoint, Chunk, LogicalTensor, TensorLink
 
 
@@ -460,6 +461,6 @@ def test_metadata_written_without_torch_is_what_torch_classes_pickle(name: str, 
 
 
 def test_writing_dcp_does_not_import_torch(tmp_path: Path) -> None:
-    run_without_torch("import sys; from ravex_convert import convert; convert(sys.argv[1], sys.argv[2], to='dcp', world_size=3)",
+    run_without_torch("import sys; from ravex_convert import ConvertOptions, convert; convert(sys.argv[1], sys.argv[2], 'dcp', ConvertOptions(world_size=3))",
                       str(DATA / "zero2_ws2_fp32" / "checkpoint"), str(tmp_path / "out"))
     assert (tmp_path / "out" / ".metadata").is_file()

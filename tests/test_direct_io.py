@@ -18,9 +18,9 @@ import torch
 from conftest import DATA
 from safetensors.torch import load_file
 
-from ravex_convert import _core, convert, read_checkpoint, verify
+from ravex_convert import ConvertOptions, _core, convert, read_checkpoint, verify
 from ravex_convert._engine import CopyJob
-from ravex_convert.formats import native
+from ravex_convert.formats.native import reader as native
 from ravex_runtime.config import load_config
 
 
@@ -108,12 +108,12 @@ def test_direct_writes_the_same_bytes_as_the_page_cache(source: Path, tmp_path: 
     (tmp_path / "direct").mkdir()
     # both written at one path, then moved aside
     monkeypatch.setenv("RAVEX_DIRECT_IO", "0")
-    convert(source, tmp_path / name, to, **extra)
+    convert(source, tmp_path / name, to, ConvertOptions(**extra))
     (tmp_path / name).rename(tmp_path / "cached" / name)
     assert calls and all(not asked and n == 0 for asked, n in calls), calls
     calls.clear()
     monkeypatch.delenv("RAVEX_DIRECT_IO")
-    convert(source, tmp_path / name, to, **extra)
+    convert(source, tmp_path / name, to, ConvertOptions(**extra))
     (tmp_path / name).rename(tmp_path / "direct" / name)
     if os.environ.get("RAVEX_STORAGE") == "objdir":
         # read back before they close, so they stay in the cache: on object storage every spool
@@ -144,7 +144,7 @@ def test_direct_writes_the_same_bytes_as_the_page_cache(source: Path, tmp_path: 
 
 def test_no_sync_and_the_switch_keep_to_the_page_cache(source: Path, tmp_path: Path, calls: list[tuple[bool, int]],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    convert(source, tmp_path / "a.pt", "torch_save", sync=False)
+    convert(source, tmp_path / "a.pt", "torch_save", ConvertOptions(sync=False))
     assert calls and all(not asked and n == 0 for asked, n in calls), calls
     calls.clear()
     monkeypatch.setenv("RAVEX_DIRECT_IO", "off")
@@ -165,7 +165,7 @@ def test_a_zip_entry_filled_over_several_batches_is_not_read_back(tmp_path: Path
     the disk after a direct write (2.5 s of a 3.9 s conversion at 2.5 GB)."""
     src = DATA / "zero3_ws2_fp32" / "checkpoint"
     (tmp_path / "one").mkdir()
-    convert(src, tmp_path / "out", "zero", zero_stage=3)
+    convert(src, tmp_path / "out", "zero", writer={"zero_stage": 3})
     (tmp_path / "out").rename(tmp_path / "one" / "out")
     real_run = CopyJob.run
     monkeypatch.setattr(CopyJob, "run", lambda self, **k: real_run(self, **{**k, "batch_bytes": 1}))  # a batch per tensor
@@ -177,7 +177,7 @@ def test_a_zip_entry_filled_over_several_batches_is_not_read_back(tmp_path: Path
         return real(path, ranges, algo)
 
     monkeypatch.setattr(_core, "checksum_ranges", counted)
-    convert(src, tmp_path / "out", "zero", zero_stage=3)
+    convert(src, tmp_path / "out", "zero", writer={"zero_stage": 3})
     assert not [p for p in reread if Path(p).is_relative_to(tmp_path)], reread
     one, many = _tree(tmp_path / "one" / "out"), _tree(tmp_path / "out")
     assert one.keys() == many.keys()
@@ -199,7 +199,7 @@ def test_a_native_stores_checksums_come_from_the_copy(source: Path, tmp_path: Pa
     real_run = CopyJob.run
     monkeypatch.setattr(CopyJob, "run", lambda self, **k: real_run(self, **{**k, "threads": threads}))
     monkeypatch.setattr(_core, "checksum_ranges", recorded)
-    convert(source, tmp_path / "store", "native", world_size=2)
+    convert(source, tmp_path / "store", "native", ConvertOptions(world_size=2))
     ckpt = read_checkpoint(tmp_path / "store")
     files = {c.file for t in ckpt.tensors.values() for c in t.chunks}
     assert len(read_back) <= (threads - 1) * len(files), read_back
@@ -210,7 +210,7 @@ def test_a_native_stores_checksums_come_from_the_copy(source: Path, tmp_path: Pa
 def test_a_compressed_native_store_is_still_hashed_right(source: Path, tmp_path: Path, calls: list[tuple[bool, int]]) -> None:
     """zstd: the copy goes to a scratch file that the seal compresses (read back, so cached), and
     the checksums (of the uncompressed chunks) still come from the copy."""
-    convert(source, tmp_path / "store", "native", compression="zstd")
+    convert(source, tmp_path / "store", "native", writer={"compression": "zstd"})
     assert calls and all(not asked for asked, _ in calls), calls
     native.verify_chunks(read_checkpoint(tmp_path / "store"))
     assert verify(source, tmp_path / "store").identical

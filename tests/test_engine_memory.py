@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import DATA
 
-from ravex_convert import _core, convert, load_state_dict, read_checkpoint
+from ravex_convert import ConvertOptions, _core, convert, load_state_dict, read_checkpoint
 from ravex_convert._engine import read_into
 from ravex_convert.convert import materialize
 from ravex_convert.errors import RavexError
@@ -25,7 +25,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 def test_every_tensor_lands_in_a_live_tensor_bit_exact(name: str, tmp_path: Path) -> None:
     src = DATA / "zero3_ws2_fp32" / "checkpoint" if name == "native_zstd" else DATA / name / "checkpoint"
     if name == "native_zstd":
-        convert(src, tmp_path / "store", "native", world_size=2, compression="zstd")
+        convert(src, tmp_path / "store", "native", ConvertOptions(world_size=2), writer={"compression": "zstd"})
         src = tmp_path / "store"
     ck = read_checkpoint(src)
     checked = 0

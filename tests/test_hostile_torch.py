@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from conftest import DATA, run_ravex
 
-from ravex_convert._torchzip import open_archive
-from ravex_convert._unpickle import StorageRef, restricted_loads
+from ravex_convert._torchfile.archive import open_archive
+from ravex_convert._torchfile.unpickle import StorageRef, restricted_loads
 from ravex_convert.detect import inspect, read_checkpoint
 from ravex_convert.errors import CorruptCheckpointError, RavexError, UnsafeCheckpointError
 

@@ -11,7 +11,7 @@ import torch
 
 from ravex_convert import convert
 from ravex_convert._engine import PAGE, page_residue, vote_residue
-from ravex_convert._torchwrite import ZipLayout
+from ravex_convert._torchfile.write import ZipLayout
 from ravex_convert.model import Box, Chunk, Flat, LogicalTensor
 
 

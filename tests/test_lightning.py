@@ -25,7 +25,7 @@ from conftest import DATA, run_ravex
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import ravex_convert
-from ravex_convert import CorruptCheckpointError, RavexError
+from ravex_convert import ConvertOptions, CorruptCheckpointError, RavexError
 
 
 def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -147,7 +147,7 @@ def test_the_output_loads_and_resumes_as_the_source_does(made: dict[int, tuple[P
 def test_through_a_ravex_store_and_back(made: dict[int, tuple[Path, dict[str, torch.Tensor]]], tmp_path: Path) -> None:
     src, weights = made[2]
     store, out = tmp_path / "store", tmp_path / "out.ckpt"
-    ravex_convert.convert(src, store, "native", world_size=2)
+    ravex_convert.convert(src, store, "native", ConvertOptions(world_size=2))
     ravex_convert.convert(store, out, "torch_save")
     assert assert_same_tree(load(src), load(out)) == 17
     assert assert_same_tree(weights, quiet(Tiny.load_from_checkpoint, out).state_dict()) == 4
@@ -158,14 +158,14 @@ def test_through_dcp_in_the_portable_layout_and_back(made: dict[int, tuple[Path,
     """DCP's loaders key optimizer state by name: a Lightning source goes into DCP as {"model", "optim", ...}
     (said in a note), and --layout lightning makes the .ckpt again, which resumes as the source does."""
     src = made[2][0]
-    res = ravex_convert.convert(src, tmp_path / "dcp", "dcp", world_size=2)
+    res = ravex_convert.convert(src, tmp_path / "dcp", "dcp", ConvertOptions(world_size=2))
     assert any("'optimizer_states.0', keyed by position" in n and "portable layout" in n for n in res["notes"])
     keys = set(FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata)
     assert {"model.net.0.weight", "optim.state.net.0.weight.exp_avg", "optim.param_groups.1.lr", "lr_schedulers.0.last_epoch",
             "pytorch-lightning_version", "callbacks.Counter.total"} <= keys
     assert not any(k.startswith(("state_dict.", "optimizer_states.")) for k in keys)
     out = tmp_path / "out.ckpt"
-    ravex_convert.convert(tmp_path / "dcp", out, "torch_save", layout="lightning")
+    ravex_convert.convert(tmp_path / "dcp", out, "torch_save", writer={"layout": "lightning"})
     want, got = load(src), load(out)
     assert set(got) == set(want)
     assert assert_same_tree(want["state_dict"], got["state_dict"]) == 4
@@ -221,8 +221,8 @@ def test_a_zero_checkpoint_as_a_lightning_ckpt(tmp_path: Path) -> None:
 
 def test_layout_is_a_torch_save_option(made: dict[int, tuple[Path, dict[str, torch.Tensor]]], tmp_path: Path) -> None:
     with pytest.raises(RavexError, match="--layout lightning: not a dcp layout"):
-        ravex_convert.convert(made[1][0], tmp_path / "d", "dcp", layout="lightning")
-    ravex_convert.convert(made[1][0], tmp_path / "p.pt", "torch_save", layout="portable")
+        ravex_convert.convert(made[1][0], tmp_path / "d", "dcp", writer={"layout": "lightning"})
+    ravex_convert.convert(made[1][0], tmp_path / "p.pt", "torch_save", writer={"layout": "portable"})
     assert {"model", "optim", "step", "loops"} <= set(load(tmp_path / "p.pt"))
     assert list(tmp_path.iterdir()) == [tmp_path / "p.pt"]
 

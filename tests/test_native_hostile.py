@@ -20,8 +20,10 @@ from conftest import run_ravex
 from ravex_convert import _core, _engine
 from ravex_convert._output import Options
 from ravex_convert.errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, UnsafeCheckpointError
-from ravex_convert.formats import native, native_store, native_write
-from ravex_convert.formats.native_check import _flat_boxes, _tiling_problem
+from ravex_convert.formats.native import reader as native
+from ravex_convert.formats.native import store as native_store
+from ravex_convert.formats.native import writer as native_write
+from ravex_convert.formats.native.check import _flat_boxes, _tiling_problem
 from ravex_convert.model import Box, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink
 
 CK = "checkpoints/00000000/checkpoint.json"
@@ -255,7 +257,7 @@ def test_a_frame_declaring_another_size_is_refused_before_decoding(tmp_path: Pat
 MEMORY = """
 import re, sys
 from pathlib import Path
-from ravex_convert.formats import native
+from ravex_convert.formats.native import reader as native
 ckpt = native.read(Path(sys.argv[1]))
 assert native.verify_chunks(ckpt) == 1
 print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) // 1024)

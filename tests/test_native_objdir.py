@@ -18,10 +18,12 @@ from typing import Any
 import pytest
 from conftest import DATA, inspect_json, run_ravex
 
-from ravex_convert import convert, read_checkpoint, verify
+from ravex_convert import ConvertOptions, convert, read_checkpoint, verify
 from ravex_convert._engine import chunk_bytes
 from ravex_convert.errors import RavexError
-from ravex_convert.formats import native, native_store, native_write
+from ravex_convert.formats.native import reader as native
+from ravex_convert.formats.native import store as native_store
+from ravex_convert.formats.native import writer as native_write
 from ravex_convert.storage import ABSENT, resolve
 from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation, in_use
 
@@ -67,8 +69,8 @@ def data_files(d: dict[str, bytes]) -> dict[str, bytes]:
 
 def test_a_converted_store_reads_back_bit_exact_and_holds_a_local_stores_data_files(tmp_path: Path, remote: str) -> None:
     local = tmp_path / "local"
-    convert(ZERO, local, "native", world_size=3)
-    res = convert(ZERO, remote, "native", world_size=3)
+    convert(ZERO, local, "native", ConvertOptions(world_size=3))
+    res = convert(ZERO, remote, "native", ConvertOptions(world_size=3))
     assert res["index"] == 0 and res["dir"] == f"{remote}/checkpoints/00000000"
     got = objects(remote)
     # the same objects as the local store's files, less the lock: a lease object exists only while held
@@ -86,7 +88,7 @@ def test_a_converted_store_reads_back_bit_exact_and_holds_a_local_stores_data_fi
 
 
 def test_inspect_and_verify_commands_read_the_store(tmp_path: Path, remote: str) -> None:
-    convert(DCP, remote, "native", world_size=2)
+    convert(DCP, remote, "native", ConvertOptions(world_size=2))
     info = inspect_json(remote)  # type: ignore[arg-type]
     assert (info["format"], info["variant"], info["index"]) == ("native", "store", 0)
     res = run_ravex("verify", remote, DCP)
@@ -96,10 +98,10 @@ def test_inspect_and_verify_commands_read_the_store(tmp_path: Path, remote: str)
 
 
 def test_a_second_checkpoint_reuses_the_first_and_nothing_is_rewritten(remote: str) -> None:
-    first = convert(DCP, remote, "native", world_size=3)
+    first = convert(DCP, remote, "native", ConvertOptions(world_size=3))
     storage, key = bucket_of(remote)
     before = {k: storage.stat(k) for k in storage.list(key)}
-    second = convert(DCP, remote, "native", world_size=3)
+    second = convert(DCP, remote, "native", ConvertOptions(world_size=3))
     assert (second["index"], second["bytes_written"], second["bytes_reused"]) == (1, 0, first["bytes"])
     after = {k: storage.stat(k) for k in storage.list(key)}
     # every object of checkpoint 0 is where it was, at the same generation; only the manifest was replaced
@@ -114,8 +116,8 @@ def test_prune_and_the_sweep_delete_objects_only(tmp_path: Path, remote: str) ->
     """The same writes and prunes leave the same objects as a local store's files, by list and delete."""
     local = tmp_path / "local"
     for dst in (local, remote):
-        convert(DCP, dst, "native", world_size=3)
-        convert(DCP, dst, "native", world_size=3)  # 1: every chunk points into 0
+        convert(DCP, dst, "native", ConvertOptions(world_size=3))
+        convert(DCP, dst, "native", ConvertOptions(world_size=3))  # 1: every chunk points into 0
         assert native_write.prune(dst, 1) == [0]
     assert sorted(k for k in objects(remote) if k.startswith("checkpoints/")) == [
         *(f"checkpoints/00000000/rank0000{r}.safetensors" for r in range(3)),  # retained for data: no checkpoint.json
@@ -182,12 +184,12 @@ def test_a_lease_left_by_a_dead_process_of_this_machine_is_taken_over(remote: st
 
 CRASH = """
 import os, sys
-from ravex_convert import convert
-from ravex_convert.formats import native_write
+from ravex_convert import ConvertOptions, convert
+from ravex_convert.formats.native import writer as native_write
 def die(*a, **k):
     os._exit(9)
 native_write._write_manifest = die
-convert(sys.argv[1], sys.argv[2], "native", world_size=2)
+convert(sys.argv[1], sys.argv[2], "native", ConvertOptions(world_size=2))
 """
 
 
@@ -216,13 +218,13 @@ def test_a_crash_before_the_manifest_put_leaves_nothing_listed_and_the_next_writ
 
 CRASH_MID_UPLOAD = """
 import os, shutil, sys
-from ravex_convert import convert
+from ravex_convert import ConvertOptions, convert
 def die(src, dst, length=0):
     dst.write(src.read(1000))
     dst.flush()
     os._exit(9)
 shutil.copyfileobj = die
-convert(sys.argv[1], sys.argv[2], "native", world_size=2)
+convert(sys.argv[1], sys.argv[2], "native", ConvertOptions(world_size=2))
 """
 
 

@@ -27,7 +27,11 @@ from ravex_convert._engine import chunk_bytes
 from ravex_convert._output import Options
 from ravex_convert._tagged import decode
 from ravex_convert.errors import CorruptCheckpointError, RavexError
-from ravex_convert.formats import dcp, native, native_write, torch_save, zero
+from ravex_convert.formats import torch_save
+from ravex_convert.formats.dcp import reader as dcp
+from ravex_convert.formats.native import reader as native
+from ravex_convert.formats.native import writer as native_write
+from ravex_convert.formats.zero import reader as zero
 from ravex_convert.model import Box, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, itemsize
 from ravex_convert.storage import ABSENT, resolve
 
@@ -337,7 +341,8 @@ CRASH = """
 import os, sys
 from pathlib import Path
 from ravex_convert._output import Options
-from ravex_convert.formats import native_write, torch_save
+from ravex_convert.formats import torch_save
+from ravex_convert.formats.native import writer as native_write
 where = sys.argv[3]
 from ravex_convert.storage import local, objdir
 def dying(real):

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import DATA, REPO
 
-from ravex_convert import convert, read_checkpoint
+from ravex_convert import ConvertOptions, convert, read_checkpoint
 from ravex_convert.errors import CorruptCheckpointError, LayoutMismatchError
-from ravex_convert.formats import native
+from ravex_convert.formats.native import reader as native
 from ravex_convert.model import BUFFER, FROZEN, MODEL, PARAMETER
 from ravex_convert.objects import KEYS, check, key_of
 from ravex_convert.storage.local import remove_tree
@@ -59,7 +59,7 @@ def test_deepspeed_says_what_each_tensor_is_and_the_store_keeps_it(tmp_path: Pat
     trained = {n.split("/", 2)[2] for n in ckpt.tensors if n.startswith("optim/")}
     assert {n for n, k in kinds.items() if k == PARAMETER} == trained
     assert {k for k in kinds.values()} == {PARAMETER, FROZEN, BUFFER}  # this fixture has all three
-    convert(src, tmp_path / "s", "native", world_size=2)
+    convert(src, tmp_path / "s", "native", ConvertOptions(world_size=2))
     back = read_checkpoint(tmp_path / "s")
     assert {n[len(MODEL):]: t.kind for n, t in back.tensors.items() if n.startswith(MODEL)} == kinds
 
@@ -68,9 +68,9 @@ def test_a_store_becomes_zero3_without_buffers_being_listed(tmp_path: Path) -> N
     """Before kinds were recorded, a store (or any non-DeepSpeed source) with frozen
     parameters and buffers needed --buffers for ZeRO-3; now the store says."""
     src = DATA / "zero3_ws2_fp32" / "checkpoint"
-    convert(src, tmp_path / "s", "native", world_size=2)
-    convert(tmp_path / "s", tmp_path / "via-store", "zero", zero_stage=3, world_size=3)
-    convert(src, tmp_path / "direct", "zero", zero_stage=3, world_size=3)
+    convert(src, tmp_path / "s", "native", ConvertOptions(world_size=2))
+    convert(tmp_path / "s", tmp_path / "via-store", "zero", ConvertOptions(world_size=3), writer={"zero_stage": 3})
+    convert(src, tmp_path / "direct", "zero", ConvertOptions(world_size=3), writer={"zero_stage": 3})
     a, b = read_checkpoint(tmp_path / "via-store"), read_checkpoint(tmp_path / "direct")
     assert {n: t.kind for n, t in a.tensors.items()} == {n: t.kind for n, t in b.tensors.items()}
     # and a store that does not say (its kinds removed) still asks for them
@@ -83,7 +83,7 @@ def test_a_store_becomes_zero3_without_buffers_being_listed(tmp_path: Path) -> N
     (tmp_path / "s" / "manifest.json").write_text(json.dumps(manifest))
     remove_tree(tmp_path / "again")
     with pytest.raises(LayoutMismatchError, match="are buffers and which frozen parameters"):
-        convert(tmp_path / "s", tmp_path / "again", "zero", zero_stage=3, world_size=3)
+        convert(tmp_path / "s", tmp_path / "again", "zero", ConvertOptions(world_size=3), writer={"zero_stage": 3})
 
 
 def test_deepspeeds_loss_scaler_is_not_a_grad_scaler() -> None:

@@ -18,11 +18,11 @@ import pytest
 from conftest import DATA, run_without_torch
 
 from ravex_convert._engine import chunk_bytes
-from ravex_convert._torchzip import TorchArchive
-from ravex_convert._unpickle import Record
+from ravex_convert._torchfile.archive import TorchArchive
+from ravex_convert._torchfile.unpickle import Record
 from ravex_convert.errors import CorruptCheckpointError
-from ravex_convert.formats import zero
-from ravex_convert.formats.zero_layout import GeometryError, Piece, RankFile, check_slice_mappings, flat_group_pieces, stage3_pieces
+from ravex_convert.formats.zero import reader as zero
+from ravex_convert.formats.zero.layout import GeometryError, Piece, RankFile, check_slice_mappings, flat_group_pieces, stage3_pieces
 from ravex_convert.model import Box, Checkpoint, Flat, LogicalTensor, itemsize
 
 ZERO_FIXTURES = [
@@ -204,7 +204,7 @@ def test_truncated_stage3_model_states_is_reported(tmp_path: Path) -> None:
 
 
 def test_read_does_not_import_torch() -> None:
-    out = run_without_torch("import sys; from pathlib import Path; from ravex_convert.formats import zero; "
+    out = run_without_torch("import sys; from pathlib import Path; from ravex_convert.formats.zero import reader as zero; "
                             "print(len(zero.read(Path(sys.argv[1])).tensors))", str(DATA / "zero3_ws3_bf16" / "checkpoint"))
     assert int(out) > 0
 

@@ -22,10 +22,14 @@ from conftest import DATA, fixture_dirs, run_ravex
 
 import ravex_convert
 from ravex.cli import main
-from ravex_convert._torchzip import open_archive
+from ravex_convert import ConvertOptions
+from ravex_convert._torchfile.archive import open_archive
 from ravex_convert.convert import RESHARDABLE, TARGETS
 from ravex_convert.errors import CorruptCheckpointError, RavexError, UnknownFormatError
-from ravex_convert.formats import dcp_write, native_write, registry, safetensors, torch_save, zero_write
+from ravex_convert.formats import registry, safetensors, torch_save
+from ravex_convert.formats.dcp import writer as dcp_write
+from ravex_convert.formats.native import writer as native_write
+from ravex_convert.formats.zero import writer as zero_write
 from ravex_convert.info import CheckpointInfo, FileInfo, TensorInfo
 from ravex_convert.model import MODEL, Box, Checkpoint, Chunk, LogicalTensor
 
@@ -79,7 +83,7 @@ def test_a_format_is_checked_when_declared() -> None:
 def test_nested_layouts_go_to_the_outer_format(tmp_path: Path) -> None:
     # a native store holds safetensors files, a ZeRO root .pt files: the outer layout is asked first
     store = tmp_path / "store"
-    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", store, "native", sync=False)
+    ravex_convert.convert(DATA / "zero2_ws2_fp32" / "checkpoint", store, "native", ConvertOptions(sync=False))
     assert list(store.rglob("*.safetensors"))
     assert ravex_convert.detect(store).format == "native"
     assert ravex_convert.detect(DATA / "zero2_ws2_fp32" / "checkpoint").format == "zero"
@@ -98,7 +102,7 @@ def test_inspect_imports_neither_torch_nor_a_writer() -> None:
         "from ravex_convert.formats import registry\n"
         f"for p in {[str(_target(n)) for n in fixture_dirs()]!r}:\n"
         "    ravex_convert.inspect(p).to_json(tensors=True)\n"
-        "left = [m for m in ('ravex_convert.formats.dcp_write', 'ravex_convert.formats.zero_write', 'ravex_convert.formats.native_write') if m in sys.modules]\n"
+        "left = [m for m in ('ravex_convert.formats.dcp.writer', 'ravex_convert.formats.zero.writer', 'ravex_convert.formats.native.writer') if m in sys.modules]\n"
         "assert not left, left\n"
         "assert 'torch' not in sys.modules\n"
     )

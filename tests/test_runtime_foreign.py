@@ -356,9 +356,9 @@ def test_each_rank_checks_its_share_of_the_checksums(tmp_path: Path) -> None:
     storage: a flipped bit in any storage is found by exactly one of them."""
     import shutil
 
-    from ravex_convert._torchzip import open_archive
+    from ravex_convert._torchfile.archive import open_archive
     from ravex_convert.errors import CorruptCheckpointError
-    from ravex_convert.formats import zero
+    from ravex_convert.formats.zero import reader as zero
 
     root = tmp_path / "ckpt"
     shutil.copytree(ckpt("zero3_ws2_fp32"), root)

@@ -20,7 +20,7 @@ from test_runtime_session import build, everything, same
 
 import ravex
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
-from ravex_convert.formats.native_store import LOCK, RUN_LOCK
+from ravex_convert.formats.native.store import LOCK, RUN_LOCK
 from ravex_convert.storage import ABSENT, resolve
 from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation, in_use
 from ravex_runtime.status import store_status

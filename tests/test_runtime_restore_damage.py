@@ -410,7 +410,7 @@ def test_an_empty_checkpoints_directory_alone_is_still_a_fresh_start(env: Path) 
 @pytest.mark.parametrize("loop", ["dataloader", "batch_boundary"])
 def test_max_steps_is_enforced_after_a_failing_write_disables_ravex(env: Path, logs: Callable[[], str], monkeypatch: pytest.MonkeyPatch,
                                                                      loop: str) -> None:
-    from ravex_convert.formats import native_write
+    from ravex_convert.formats.native import writer as native_write
 
     monkeypatch.setenv("RAVEX_MAX_STEPS", "12")
 

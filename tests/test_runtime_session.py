@@ -271,7 +271,7 @@ def test_restore_into_a_mismatched_model_raises_resume_error_before_changing_any
 
 def test_a_failed_write_raises_on_a_waiting_commit_and_the_session_writes_no_more(env: Path, tmp_path: Path,
                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from ravex_convert.formats import native_write
+    from ravex_convert.formats.native import writer as native_write
 
     def broken(*a: Any, **k: Any) -> Any:
         raise OSError(28, "No space left on device")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import DATA
 
-from ravex_convert import convert, inspect, read_checkpoint
+from ravex_convert import ConvertOptions, convert, inspect, read_checkpoint
 from ravex_convert.errors import RavexError
 from ravex_convert.storage import ABSENT, LocalStorage, PreconditionFailed, resolve
 from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation
@@ -104,10 +104,11 @@ def test_replacing_drops_the_old_commit_object_first(bucket: ObjectDirStorage) -
 def test_objdir_outputs_are_byte_identical_to_local_ones(tmp_path: Path, to: str) -> None:
     src = DATA / "zero3_ws2_fp32" / "checkpoint"
     (tmp_path / "bucket").mkdir()
-    extra = {"zero_stage": 3, "world_size": 3} if to == "zero" else {"world_size": 2} if to in ("dcp", "native") else {}
+    options = ConvertOptions(world_size=3 if to == "zero" else 2 if to in ("dcp", "native") else 1)
+    writer = {"zero_stage": 3} if to == "zero" else {}
     local, remote = tmp_path / "local", f"objdir://{tmp_path}/bucket/out{'.pt' if to == 'torch_save' else ''}"
-    convert(src, local, to, **extra)
-    convert(src, remote, to, **extra)
+    convert(src, local, to, options, writer=writer)
+    convert(src, remote, to, options, writer=writer)
     storage, key = resolve(remote)
     assert isinstance(storage, ObjectDirStorage) and storage.audit() == []
     a = {str(p.relative_to(local)): p.read_bytes() for p in sorted(local.rglob("*")) if p.is_file()} if local.is_dir() else {"": local.read_bytes()}

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ravex_convert
+from ravex_convert import ConvertOptions
 from ravex_convert.errors import LayoutMismatchError, RavexError
 from ravex_convert.ties import parse_tie
 
@@ -64,7 +65,7 @@ def test_without_the_config_the_head_is_missing_and_tie_declares_it(tmp_path: Pa
     ravex_convert.convert(tmp_path / "hf", tmp_path / "plain.pt", to="torch_save")
     with pytest.raises(RuntimeError, match="lm_head.weight"):
         TinyLM().load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True)["model"], strict=True)
-    ravex_convert.convert(tmp_path / "hf", tmp_path / "tied.pt", to="torch_save", ties={"lm_head.weight": "model.embed_tokens.weight"})
+    ravex_convert.convert(tmp_path / "hf", tmp_path / "tied.pt", to="torch_save", options=ConvertOptions(ties={"lm_head.weight": "model.embed_tokens.weight"}))
     TinyLM().load_state_dict(torch.load(tmp_path / "tied.pt", weights_only=True)["model"], strict=True)
 
 
@@ -72,7 +73,7 @@ def test_materialize_ties_writes_the_head_for_a_strict_safetensors_load(tmp_path
     want = hf_save(tmp_path / "hf")
     ravex_convert.convert(tmp_path / "hf", tmp_path / "once.safetensors", to="safetensors")
     assert "lm_head.weight" not in load_file(tmp_path / "once.safetensors")  # stored once, the tie in ravex.aliases
-    res = ravex_convert.convert(tmp_path / "hf", tmp_path / "every.safetensors", to="safetensors", materialize_ties=True)
+    res = ravex_convert.convert(tmp_path / "hf", tmp_path / "every.safetensors", to="safetensors", options=ConvertOptions(materialize_ties=True))
     assert any("lm_head.weight" in n for n in res["notes"])
     got = load_file(tmp_path / "every.safetensors")
     assert set(got) == set(want) and torch.equal(got["lm_head.weight"], want["model.embed_tokens.weight"])
@@ -102,10 +103,10 @@ def test_two_embeddings_are_not_guessed(tmp_path: Path) -> None:
 def test_bad_ties_are_refused(tmp_path: Path) -> None:
     hf_save(tmp_path / "hf", tie=None)
     with pytest.raises(LayoutMismatchError, match="no tensor 'embed.weight'") as e:
-        ravex_convert.convert(tmp_path / "hf", tmp_path / "a.pt", to="torch_save", ties={"lm_head.weight": "embed.weight"})
+        ravex_convert.convert(tmp_path / "hf", tmp_path / "a.pt", to="torch_save", options=ConvertOptions(ties={"lm_head.weight": "embed.weight"}))
     assert "model.embed_tokens.weight" in (e.value.hint or "")
     with pytest.raises(LayoutMismatchError, match="stores 'model.norm.weight' as a tensor of its own"):
-        ravex_convert.convert(tmp_path / "hf", tmp_path / "b.pt", to="torch_save", ties={"model.norm.weight": "model.embed_tokens.weight"})
+        ravex_convert.convert(tmp_path / "hf", tmp_path / "b.pt", to="torch_save", options=ConvertOptions(ties={"model.norm.weight": "model.embed_tokens.weight"}))
     for bad in ("lm_head.weight", "=x", "a=a"):
         with pytest.raises(RavexError, match="expected ALIAS=TARGET"):
             parse_tie(bad)

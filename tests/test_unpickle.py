@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import run_ravex
 
-from ravex_convert._unpickle import DType, Record, restricted_loads
+from ravex_convert._torchfile.unpickle import DType, Record, restricted_loads
 from ravex_convert.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 

@@ -14,6 +14,7 @@ from conftest import DATA, run_ravex
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import ravex_convert
+from ravex_convert import ConvertOptions
 
 
 def test_a_wrapper_prefix_on_one_side_is_matched_and_said(tmp_path: Path) -> None:
@@ -59,7 +60,7 @@ def test_param_names_name_a_position_keyed_optimizer(tmp_path: Path) -> None:
     src = DATA / "torch_save" / "checkpoint" / "model.pt"
     groups = json.loads((DATA / "torch_save" / "reference" / "true_state.json").read_text())["param_groups"]
     (tmp_path / "names.txt").write_text("\n".join(n for g in groups for n in g["params"]) + "\n")
-    ravex_convert.convert(src, tmp_path / "named.pt", to="torch_save", param_names=[n for g in groups for n in g["params"]])
+    ravex_convert.convert(src, tmp_path / "named.pt", to="torch_save", options=ConvertOptions(param_names=[n for g in groups for n in g["params"]]))
     refused = run_ravex("verify", src, tmp_path / "named.pt")
     assert refused.returncode == 8 and "--param-names" in refused.stderr, refused.stderr
     res = run_ravex("verify", src, tmp_path / "named.pt", "--param-names", tmp_path / "names.txt", "--json")

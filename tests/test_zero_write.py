@@ -26,9 +26,10 @@ from safetensors.torch import load_file
 import ravex_convert
 from ravex_convert import LayoutMismatchError, RavexError, read_checkpoint
 from ravex_convert._output import Options, select
-from ravex_convert._torchwrite import PickleObject, StorageOut, TensorOut, dumps
-from ravex_convert._unpickle import DType, Record, StorageRef, restricted_loads
-from ravex_convert.formats import zero, zero_write
+from ravex_convert._torchfile.unpickle import DType, Record, StorageRef, restricted_loads
+from ravex_convert._torchfile.write import PickleObject, StorageOut, TensorOut, dumps
+from ravex_convert.formats.zero import reader as zero
+from ravex_convert.formats.zero import writer as zero_write
 from ravex_convert.model import Box, Checkpoint, Chunk, LogicalTensor
 
 BUFFERS = ["out_scale", "blocks.0.attn.softmax_scale", "blocks.1.attn.softmax_scale"]

@@ -40,17 +40,19 @@ _TMP = Path(os.environ["RAVEX_FUZZ_TMP"]) if os.environ.get("RAVEX_FUZZ_TMP") el
 
 def _import() -> None:
     global RavexError, restricted_loads, open_archive, st, dcp, native
-    from ravex_convert import _torchzip, _unpickle
+    from ravex_convert._torchfile import archive as _torchzip
+    from ravex_convert._torchfile import unpickle as _unpickle
     from ravex_convert.errors import RavexError
-    from ravex_convert.formats import dcp, native
     from ravex_convert.formats import safetensors as st
+    from ravex_convert.formats.dcp import reader as dcp
+    from ravex_convert.formats.native import reader as native
 
     restricted_loads = _unpickle.restricted_loads
     open_archive = _torchzip.open_archive
 
 
 def _storage(pid: object) -> object:
-    from ravex_convert._unpickle import StorageRef
+    from ravex_convert._torchfile.unpickle import StorageRef
 
     if not isinstance(pid, tuple) or len(pid) != 5:
         raise RavexError("fuzz: persistent id is not a 5-tuple", hint="-", path="fuzz")  # what open_archive does

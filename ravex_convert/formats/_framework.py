@@ -29,9 +29,9 @@ from .._engine import page_residue
 from .._layout import by_position
 from .._output import Options, out_dtype
 from .._paths import inside
-from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
-from .._torchzip import TorchArchive, open_archive, verify_crcs
-from .._unpickle import TensorRef
+from .._torchfile.archive import TorchArchive, open_archive, verify_crcs
+from .._torchfile.unpickle import TensorRef
+from .._torchfile.write import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import LayoutMismatchError, RavexError
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
 from ..plan import OutFile

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .._output import Options
-from .._torchzip import open_archive
+from .._torchfile.archive import open_archive
 from ..errors import RavexError, UnknownFormatError
 from ..info import CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Checkpoint

@@ -33,20 +33,35 @@ DeepSpeed source or with ``--zero-stage``, the DeepSpeed one for
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._output import Options
 from .._strictjson import DuplicateKey, unique_pairs
-from .._torchzip import open_archive
+from .._torchfile.archive import open_archive
 from ..errors import CorruptCheckpointError, RavexError, UnknownFormatError
 from ..info import CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Checkpoint
 from ..plan import OutFile, WritePlan, run
-from . import safetensors, zero
+from . import safetensors
 from ._framework import FILES, carried_files, carry_rest, read_optimizer, read_small, training_files
+from .options import WriteOptions, option
+from .zero import reader as zero
+from .zero.options import PRECISION, ZERO_STAGE
 
-__all__ = ["describe", "read", "sniff", "write"]
+__all__ = ["HfTrainerOptions", "describe", "read", "sniff", "write"]
+
+
+@dataclass(frozen=True)
+class HfTrainerOptions(WriteOptions):
+    """The options of a Trainer ``checkpoint-N`` output: ``max_shard_size`` (the
+    weights' safetensors shards), and for the checkpoint of a Trainer run under
+    DeepSpeed ``zero_stage`` and ``precision`` (the ZeRO writer's)."""
+
+    max_shard_size: int | None = option(None, safetensors.MAX_SHARD_SIZE, on_options=True)
+    zero_stage: int | None = option(None, ZERO_STAGE)
+    precision: str | None = option(None, PRECISION)
 
 STATE = "trainer_state.json"
 OPTIMIZER = "optimizer.pt"
@@ -225,7 +240,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int | 
                          hint="name the output directory, e.g. checkpoint-100; --to safetensors writes weights alone", path=dst)
     stage = zero_stage or (ckpt.objects.get("zero") or {}).get("stage")
     if isinstance(stage, int):
-        from .zero_write import plan_write as zero_plan
+        from .zero.writer import plan_write as zero_plan
 
         inner = zero_plan(ckpt, dst, opts, zero_stage=stage, precision=precision)
         files: list[OutFile] = list(inner.files)

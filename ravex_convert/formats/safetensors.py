@@ -17,7 +17,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .._dtypes import SAFETENSORS_CODES
 from .._output import Options, out_dtype
@@ -28,8 +28,22 @@ from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize, numel
 from ..plan import OutFile, WritePlan, run
 from ..ties import config_ties
+from .options import Flag, WriteOptions, option, parse_size
 
-__all__ = ["DTYPES", "INDEX_NAME", "describe", "read", "read_header", "sniff"]
+__all__ = ["DTYPES", "INDEX_NAME", "MAX_SHARD_SIZE", "SafetensorsOptions", "describe", "read", "read_header", "sniff"]
+
+MAX_SHARD_SIZE = Flag("--max-shard-size", metavar="SIZE", parse=parse_size,
+                      help="safetensors: split into shards of at most SIZE (e.g. 5GB) with an index.")
+
+
+@dataclass(frozen=True)
+class SafetensorsOptions(WriteOptions):
+    """The options of a safetensors output: ``max_shard_size`` (bytes, or a size
+    such as ``"5GB"``): shards of at most that size and an index; None: one file.
+    safetensors holds weights only."""
+
+    weights_only: ClassVar[bool] = True
+    max_shard_size: int | None = option(None, MAX_SHARD_SIZE, on_options=True)
 
 INDEX_NAME = "model.safetensors.index.json"
 DTYPES = {code: name for name, code in SAFETENSORS_CODES.items()}  # code -> Ravex dtype name

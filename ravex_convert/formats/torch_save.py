@@ -20,22 +20,23 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .._engine import page_residue
 from .._layout import SOURCE_KEY, StateLayout, layout_of, optimizer_tree, place, unflatten_optimizer
 from .._output import Options, out_dtype
 from .._paths import inside
-from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
-from .._torchzip import TorchArchive, gather_strided, is_torch_zip, open_archive, verify_crcs
-from .._unpickle import TensorRef
+from .._torchfile.archive import TorchArchive, gather_strided, is_torch_zip, open_archive, verify_crcs
+from .._torchfile.unpickle import TensorRef
+from .._torchfile.write import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import CorruptCheckpointError, LayoutMismatchError, RavexError, UnknownFormatError
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
 from ..objects import key_of
 from ..plan import OutFile, WritePlan, run
+from .options import LAYOUT, WriteOptions, option
 
-__all__ = ["LAYOUTS", "LIGHTNING", "SUFFIXES", "add_param_state", "describe", "find_model_and_optimizer", "read", "sniff"]
+__all__ = ["LAYOUTS", "LIGHTNING", "SUFFIXES", "TorchSaveOptions", "add_param_state", "describe", "find_model_and_optimizer", "read", "sniff"]
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
@@ -55,6 +56,18 @@ _LIGHTNING_VERSION = "2.0.0"
 # The layouts ``write`` takes: the source's own (where its reader recorded one), Ravex's
 # portable {"model", "optim"}, Lightning's.
 LAYOUTS = ("source", "portable", "lightning")
+
+
+@dataclass(frozen=True)
+class TorchSaveOptions(WriteOptions):
+    """The options of a torch_save output: ``layout``, one of :data:`LAYOUTS`
+    (None: the model and optimizer where the source had them, else the portable
+    ``{"model", "optim"}``; ``"lightning"``: a ``.ckpt`` that Lightning's
+    ``load_from_checkpoint`` loads)."""
+
+    needs_param_groups: ClassVar[str | None] = ("torch's optimizer.load_state_dict replaces each param group by the saved one, "
+                                                "so the optimizer would step without them")
+    layout: str | None = option(None, LAYOUT)
 
 
 def _candidates(path: Path) -> list[Path]:

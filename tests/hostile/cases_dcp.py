@@ -15,7 +15,7 @@ from .corpus import add, code_pickle, flip, seed_of, symlink_out, truncate
 
 def _dcp_items(root: Path) -> list[tuple[str, int, int]]:
     # the installed Ravex: the source tree has no compiled core (CI tests the wheel)
-    from ravex_convert.formats import dcp
+    from ravex_convert.formats.dcp import reader as dcp
 
     meta = dcp.read_metadata(root)
     return sorted({(i.file, i.offset, i.length) for i in meta.items.values()})

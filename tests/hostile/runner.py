@@ -72,7 +72,7 @@ def _op(op: str, src: str, dst: str | None) -> Any:
         return info.to_json(tensors=True)
     if op == "convert":
         assert dst is not None
-        result = ravex_convert.convert(src, dst, "safetensors", sync=False)
+        result = ravex_convert.convert(src, dst, "safetensors", ravex_convert.ConvertOptions(sync=False))
         return {k: v for k, v in result.items() if k in ("tensors", "files", "bytes", "notes")}
     if op == "fuzz":
         # a saved fuzzer input through its harness (fuzz/python/fuzz_readers.py); dst names the harness
@@ -117,7 +117,7 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["ravex_convert", "ravex_convert.formats.zero", "ravex_convert.formats.dcp", "hostile.runner"])
+        _CTX.set_forkserver_preload(["ravex_convert", "ravex_convert.formats.zero.reader", "ravex_convert.formats.dcp.reader", "hostile.runner"])
     return _CTX
 
 

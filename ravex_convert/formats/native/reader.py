@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from .._paths import inside
-from .._tagged import decode
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
-from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
-from ..model import Checkpoint, Chunk
-from ..objects import check as check_objects
-from .native_check import FORMAT_VERSION, Checked, check_checkpoint, check_manifest, load_json, metadata_checksum
+from ..._paths import inside
+from ..._tagged import decode
+from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
+from ...info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
+from ...model import Checkpoint, Chunk
+from ...objects import check as check_objects
+from .check import FORMAT_VERSION, Checked, check_checkpoint, check_manifest, load_json, metadata_checksum
 
 __all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "describe", "read", "read_manifest", "resolve", "sniff", "verify_chunks"]
 
@@ -331,7 +331,7 @@ def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
     mismatch, truncation or undecodable frame, and
     :class:`IncompleteCheckpointError` for a missing file. Returns the number
     of chunks verified."""
-    from .. import _core
+    from ... import _core
 
     store, index = ckpt.path, ckpt.source.get("index")
     wanted = list(ckpt.tensors) if names is None else [ckpt.aliases.get(n, n) for n in names]

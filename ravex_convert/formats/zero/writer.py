@@ -45,15 +45,15 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._output import Options
-from .._torchwrite import PickleObject, TensorOut
-from ..errors import RavexError
-from ..model import MODEL, Box, Checkpoint, Flat, TensorLink, itemsize
-from ..plan import OutFile, WritePlan, run
-from . import zero
-from .zero_layout import Piece, stage3_partition
-from .zero_write_layout import ArchiveOut, FlatGroup, Stage3Layout, archive_files, by_rank, plan_flat_group, plan_stage3
-from .zero_write_plan import DS_VERSION, PRECISIONS, SUB_GROUP_SIZE, Group, Param, Plan, find, make_plan
+from ..._output import Options
+from ..._torchfile.write import PickleObject, TensorOut
+from ...errors import RavexError
+from ...model import MODEL, Box, Checkpoint, Flat, TensorLink, itemsize
+from ...plan import OutFile, WritePlan, run
+from . import reader as zero
+from .layout import Piece, stage3_partition
+from .write_layout import ArchiveOut, FlatGroup, Stage3Layout, archive_files, by_rank, plan_flat_group, plan_stage3
+from .write_plan import DS_VERSION, PRECISIONS, SUB_GROUP_SIZE, Group, Param, Plan, find, make_plan
 
 __all__ = ["DS_VERSION", "PRECISIONS", "write"]
 

@@ -28,15 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._dtypes import DTYPE_SIZES
-from .._layout import SOURCE_KEY, PathItem, StateLayout, layout_of, regroup, unflatten
-from .._limits import MAX_CHUNKS_PER_TENSOR_ENV, max_chunks_per_tensor
-from .._paths import inside
-from .._torchzip import TorchArchive, open_archive, verify_many
-from .._unpickle import Record, TensorRef, restricted_loads
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
-from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
-from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, numel
+from ..._dtypes import DTYPE_SIZES
+from ..._layout import SOURCE_KEY, PathItem, StateLayout, layout_of, regroup, unflatten
+from ..._limits import MAX_CHUNKS_PER_TENSOR_ENV, max_chunks_per_tensor
+from ..._paths import inside
+from ..._torchfile.archive import TorchArchive, open_archive, verify_many
+from ..._torchfile.unpickle import Record, TensorRef, restricted_loads
+from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
+from ...info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
+from ...model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, numel
 
 __all__ = ["METADATA", "DcpItem", "DcpMetadata", "DcpTensor", "describe", "read", "read_metadata", "sniff"]
 

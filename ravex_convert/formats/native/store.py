@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._output import fsync_dir, fsync_fd
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, UnsafeCheckpointError
-from ..storage import ABSENT, PreconditionFailed, Storage, is_objdir, resolve
-from . import native
-from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
-from .native_check import check_manifest
+from ..._output import fsync_dir, fsync_fd
+from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, UnsafeCheckpointError
+from ...storage import ABSENT, PreconditionFailed, Storage, is_objdir, resolve
+from . import reader as native
+from .check import check_manifest
+from .reader import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
 
 __all__ = ["CHECKPOINTS", "LOCK", "RUN_LOCK", "Entry", "Where", "create", "empty_manifest", "highest_dir_index", "locked", "open_store", "prepare",
            "refuse_links", "remove_checkpoint", "remove_store", "sweep", "where", "write_manifest"]

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._dtypes import DTYPE_SIZES
-from .._torchzip import TorchArchive
-from .._unpickle import Record, TensorRef
-from ..errors import CorruptCheckpointError
-from ..model import MODEL, OPTIM, Box, Checkpoint, Chunk, Flat, LogicalTensor, Region, itemsize
+from ..._dtypes import DTYPE_SIZES
+from ..._torchfile.archive import TorchArchive
+from ..._torchfile.unpickle import Record, TensorRef
+from ...errors import CorruptCheckpointError
+from ...model import MODEL, OPTIM, Box, Checkpoint, Chunk, Flat, LogicalTensor, Region, itemsize
 
 __all__ = [
     "GeometryError",

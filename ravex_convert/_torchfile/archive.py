@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ._dtypes import DTYPE_SIZES, SCALAR_DTYPES, scalar_value
-from ._unpickle import Record, StorageRef, TensorRef, max_pickle_bytes, restricted_loads
-from .errors import CorruptCheckpointError, UnsafeCheckpointError, from_os_error
+from .._dtypes import DTYPE_SIZES, SCALAR_DTYPES, scalar_value
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError, from_os_error
+from .unpickle import Record, StorageRef, TensorRef, max_pickle_bytes, restricted_loads
 
 __all__ = ["TorchArchive", "check_archive", "check_deferred", "crc_enabled", "deferred_crcs", "deferring", "gather_strided", "is_torch_zip",
            "open_archive", "storages_at", "verify_crcs", "verify_many"]
@@ -499,7 +499,7 @@ def _segments(pieces: list[tuple[int, int, int]], starts: list[int], off: int, n
 
 
 def _check(entries: Sequence[tuple[TorchArchive, str]], pieces: dict[str, list[tuple[int, int, int]]]) -> None:
-    from . import _core
+    from .. import _core
 
     per_file: dict[str, list[tuple[TorchArchive, str]]] = {}
     for a, k in entries:

@@ -18,9 +18,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._dtypes import STORAGE_CLASSES, V1_DTYPES
-from ._unpickle import DType
-from .errors import RavexError
+from .._dtypes import STORAGE_CLASSES, V1_DTYPES
+from ..errors import RavexError
+from .unpickle import DType
 
 __all__ = ["SERIALIZATION_ID", "STORAGE_TYPES", "PickleDict", "PickleGlobal", "PickleObject", "StorageOut", "TensorOut", "ZipLayout", "dumps"]
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._engine import PAGE, page_residue, vote_residue
-from .._torchwrite import StorageOut, TensorOut, ZipLayout, dumps
-from ..model import Checkpoint, Region, itemsize, numel
-from ..plan import OutFile
-from .zero_layout import Piece, flat_group_pieces, stage3_partition, stage3_pieces
+from ..._engine import PAGE, page_residue, vote_residue
+from ..._torchfile.write import StorageOut, TensorOut, ZipLayout, dumps
+from ...model import Checkpoint, Region, itemsize, numel
+from ...plan import OutFile
+from .layout import Piece, flat_group_pieces, stage3_partition, stage3_pieces
 
 __all__ = ["ArchiveOut", "FlatGroup", "Stage3Layout", "archive_files", "by_rank", "plan_flat_group", "plan_stage3", "round_robin_order"]
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._paths import inside
-from .._torchzip import TorchArchive, check_archive, gather_strided, open_archive, storages_at, verify_crcs
-from .._unpickle import Record, TensorRef
-from ..errors import (
+from ..._paths import inside
+from ..._torchfile.archive import TorchArchive, check_archive, gather_strided, open_archive, storages_at, verify_crcs
+from ..._torchfile.unpickle import Record, TensorRef
+from ...errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LayoutMismatchError,
@@ -30,9 +30,9 @@ from ..errors import (
     UnknownFormatError,
     UnsafeCheckpointError,
 )
-from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
-from ..model import BUFFER, FROZEN, MODEL, OBJ, PARAMETER, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, numel
-from .zero_layout import Groups, RankFile, corrupt, read_flat_groups, read_stage3, stage3_partition, tensor_chunk
+from ...info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
+from ...model import BUFFER, FROZEN, MODEL, OBJ, PARAMETER, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, numel
+from .layout import Groups, RankFile, corrupt, read_flat_groups, read_stage3, stage3_partition, tensor_chunk
 
 __all__ = ["LATEST", "ZeroLayout", "describe", "locate", "read", "sniff"]
 
@@ -154,7 +154,7 @@ def _read_latest(root: Path) -> str:
         with open(file, "rb") as f:
             raw = f.read(4097)
     except OSError as exc:
-        from ..errors import from_os_error
+        from ...errors import from_os_error
 
         raise from_os_error(exc, path=file) from None
     try:

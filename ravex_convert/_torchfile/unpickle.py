@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ._dtypes import DTYPE_SIZES, STORAGE_CLASSES
-from .errors import CorruptCheckpointError, RavexError, UnknownFormatError, UnsafeCheckpointError
+from .._dtypes import DTYPE_SIZES, STORAGE_CLASSES
+from ..errors import CorruptCheckpointError, RavexError, UnknownFormatError, UnsafeCheckpointError
 
 __all__ = [
     "DTYPE_SIZES",

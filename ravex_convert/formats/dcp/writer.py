@@ -50,14 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import _core
-from .._layout import PathItem, StateLayout, layout_of, optimizer_tree, place
-from .._output import Options, out_dtype
-from .._torchwrite import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
-from ..errors import RavexError
-from ..model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize, numel
-from ..plan import OutFile, WritePlan, run
-from .dcp import METADATA
+from ... import _core
+from ..._layout import PathItem, StateLayout, layout_of, optimizer_tree, place
+from ..._output import Options, out_dtype
+from ..._torchfile.write import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
+from ...errors import RavexError
+from ...model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize, numel
+from ...plan import OutFile, WritePlan, run
+from .reader import METADATA
 
 __all__ = ["METADATA_FORMS", "plan_write", "write"]
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._dtypes import scalar_value
-from .._engine import chunk_bytes
-from .._output import FLOAT_DTYPES, Options, _strip
-from .._torchzip import open_archive
-from ..errors import LayoutMismatchError, RavexError
-from ..model import BUFFER, MODEL, OPTIM, Checkpoint, LogicalTensor
+from ..._dtypes import scalar_value
+from ..._engine import chunk_bytes
+from ..._output import FLOAT_DTYPES, Options, _strip
+from ..._torchfile.archive import open_archive
+from ...errors import LayoutMismatchError, RavexError
+from ...model import BUFFER, MODEL, OPTIM, Checkpoint, LogicalTensor
 
 __all__ = ["DS_VERSION", "PRECISIONS", "SUB_GROUP_SIZE", "Group", "Param", "Plan", "find", "make_plan"]
 

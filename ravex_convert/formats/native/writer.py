@@ -30,20 +30,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import _core
-from .._dist import ambient
-from .._dtypes import SAFETENSORS_CODES as ALL_SAFETENSORS_CODES
-from .._dtypes import V1_DTYPES
-from .._engine import flat_range
-from .._layout import SOURCE_KEY, StateLayout
-from .._output import Options, out_dtype
-from .._tagged import encode
-from ..errors import NotFoundError, RavexError
-from ..model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, dim0_shards, itemsize, numel
-from ..plan import OutFile, WritePlan, run
-from .native import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER
-from .native_check import metadata_checksum
-from .native_store import (
+from ... import _core
+from ..._dist import ambient
+from ..._dtypes import SAFETENSORS_CODES as ALL_SAFETENSORS_CODES
+from ..._dtypes import V1_DTYPES
+from ..._engine import flat_range
+from ..._layout import SOURCE_KEY, StateLayout
+from ..._output import Options, out_dtype
+from ..._tagged import encode
+from ...errors import NotFoundError, RavexError
+from ...model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, dim0_shards, itemsize, numel
+from ...plan import OutFile, WritePlan, run
+from .check import metadata_checksum
+from .reader import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER
+from .store import (
     CHECKPOINTS,
     Entry,
     Where,
@@ -57,7 +57,7 @@ from .native_store import (
     sweep,
     where,
 )
-from .native_store import write_manifest as _write_manifest  # by this name: tests make it fail
+from .store import write_manifest as _write_manifest  # by this name: tests make it fail
 
 __all__ = ["SAFETENSORS_CODES", "prune", "write"]
 

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from .. import _core
-from .._dtypes import V1_DTYPES
-from .._engine import flat_range
-from .._limits import env_limit, max_chunks_per_tensor
-from .._paths import inside
-from .._strictjson import DuplicateKey, unique_pairs
-from .._tagged import TAG
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
-from ..model import KINDS, MODEL, Box, Chunk, Flat, LogicalTensor, Region
+from ... import _core
+from ..._dtypes import V1_DTYPES
+from ..._engine import flat_range
+from ..._limits import env_limit, max_chunks_per_tensor
+from ..._paths import inside
+from ..._strictjson import DuplicateKey, unique_pairs
+from ..._tagged import TAG
+from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
+from ...model import KINDS, MODEL, Box, Chunk, Flat, LogicalTensor, Region
 
 __all__ = [
     "DTYPES", "FORMAT_VERSION", "MAX_DIMS", "Checked", "check_checkpoint", "check_manifest", "load_json", "max_chunks_per_tensor",
