@@ -18,6 +18,8 @@ fi
 venv=$(scripts/env.sh)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$(dirname "$venv")/cargo-target}
 
+t=$SECONDS
+took() { echo "== took $((SECONDS - t)) s"; t=$SECONDS; }
 echo "== cargo test"
 cargo_log=$(mktemp)
 trap 'rm -f "$cargo_log"' EXIT
@@ -25,8 +27,10 @@ cargo test --locked 2>&1 | tee "$cargo_log"
 grep -qE '^test result: ok\. [1-9][0-9]* passed' "$cargo_log" \
   || { echo "test.sh: cargo test ran no test" >&2; exit 1; }
 
+took
 echo "== build and install"
 scripts/install.sh "$venv"
+took
 
 if [ "$fast" -eq 0 ]; then
   echo "== lint: ruff, mypy --strict, stubtest of the compiled module, clippy"
@@ -35,6 +39,7 @@ if [ "$fast" -eq 0 ]; then
   # from outside the tree, so the installed module (with its .so) is what is checked
   (cd "$(mktemp -d)" && "$venv/bin/python" -m mypy.stubtest ravex_convert._core)
   cargo clippy --locked --all-targets --quiet -- -D warnings
+  took
 fi
 
 echo "== pytest"
@@ -48,6 +53,7 @@ set +e
 "$venv/bin/pytest" --durations=25 "${marks[@]}" "$@"
 rc=$?
 set -e
+took
 if [ "$rc" -eq 5 ]; then
   echo "test.sh: pytest collected no test" >&2
   exit 1
