@@ -37,6 +37,9 @@ from typing import Any
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _launch import launch as fork_ranks
+
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SCRIPT = Path(__file__).with_name("dist_train.py")
@@ -91,11 +94,7 @@ def launch(tmp: Path, tag: str, nproc: int, opts: dict[str, Any], env: dict[str,
     """torchrun --nproc_per_node ``nproc`` of the training script in ``tmp``; ``node`` is
     (node rank, master port) for one of two node groups on 127.0.0.1 (static rendezvous: node
     group i holds global rank i)."""
-    opts = dict(opts)
-    settings = {"RAVEX_STORAGE_PATH": str(store or tmp / f"store-{tag}"), "RAVEX_MAX_STEPS": MAX_STEPS,
-                "RAVEX_CHECKPOINT_EVERY": EVERY, **opts.pop("env", {}), **(env or {})}
-    full = {k: v for k, v in os.environ.items() if not k.startswith("RAVEX_") and k not in _KILL_ENV}
-    full.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **{k: str(v) for k, v in settings.items()}})
+    opts, full, what = _job_env(tmp, tag, nproc, opts, env, store)
     logs = tmp / f"torchrun-{tag}-{next(_launches)}"
     where = (["--standalone"] if node is None else
              ["--nnodes", "2", "--node_rank", str(node[0]), "--master_addr", "127.0.0.1", "--master_port", str(node[1])])
@@ -104,8 +103,27 @@ def launch(tmp: Path, tag: str, nproc: int, opts: dict[str, Any], env: dict[str,
     # A session of its own, so that the whole job can be killed at once (the ranks are in sessions of
     # their own too: torchrun starts them so).
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full, cwd=tmp, start_new_session=True)
-    what = f"torchrun x{nproc} tag={tag} " + " ".join(f"{k}={v}" for k, v in sorted(settings.items()) if not k.startswith("RAVEX_STORAGE"))
-    return Job(p, logs, what)
+    return Job(p, logs, f"torchrun {what}")
+
+
+def _job_env(tmp: Path, tag: str, nproc: int, opts: dict[str, Any], env: dict[str, Any] | None,
+             store: Path | None) -> tuple[dict[str, Any], dict[str, str], str]:
+    """The script's options, the job's environment, and a line naming the job."""
+    opts = dict(opts)
+    settings = {"RAVEX_STORAGE_PATH": str(store or tmp / f"store-{tag}"), "RAVEX_MAX_STEPS": MAX_STEPS,
+                "RAVEX_CHECKPOINT_EVERY": EVERY, **opts.pop("env", {}), **(env or {})}
+    full = {k: v for k, v in os.environ.items() if not k.startswith("RAVEX_") and k not in _KILL_ENV}
+    full.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **{k: str(v) for k, v in settings.items()}})
+    what = f"x{nproc} tag={tag} " + " ".join(f"{k}={v}" for k, v in sorted(settings.items()) if not k.startswith("RAVEX_STORAGE"))
+    return opts, full, what
+
+
+def run_uninterrupted(tmp: Path, tag: str, nproc: int, opts: dict[str, Any]) -> Done:
+    """A job no process of which dies: its ranks forked from the warm launcher (tests/_launch.py),
+    not started by torchrun (whose own start-up and teardown the killed jobs test)."""
+    opts, full, what = _job_env(tmp, tag, nproc, opts, None, None)
+    res = fork_ranks(nproc, [str(SCRIPT), json.dumps({**opts, "tag": tag})], cwd=tmp, env=full, timeout=TIMEOUT)
+    return Done(res.returncode, res.stdout, res.stderr, {}, f"forked {what}")
 
 
 def rank_stderr(job: Job) -> dict[int, str]:
@@ -292,7 +310,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     def get(nproc: int, mode: str) -> Ref:
         if (nproc, mode) not in made:
             d = tmp_path_factory.mktemp(f"ref-{mode}-x{nproc}")
-            ok(run(d, "ref", nproc, MODES[mode]))
+            ok(run_uninterrupted(d, "ref", nproc, MODES[mode]))
             logs = {r: by_step(read_log(d, "ref", r), f"reference rank {r}") for r in range(nproc)}
             for r, steps in logs.items():
                 assert sorted(steps) == list(range(1, MAX_STEPS + 1)), f"reference rank {r} logged steps {sorted(steps)}"
@@ -358,15 +376,14 @@ def kill_seed(case: str) -> random.Random:
 # case -> (mode, nproc, the rank killed ("all": the whole job at once), kill step ("random": drawn))
 # A kill step one past a checkpoint (7, 10) must train that step again. A random one is drawn from
 # 8..13: the checkpoint at step 3 has had five steps to be committed, so every case resumes.
+# Whole-job kills of DDP and of FSDP2 at 2 ranks: the object-storage test below.
 SAME_WS = {
     "ddp-x1-rank0-past": ("ddp", 1, "0", 7),
     "ddp-x2-rank1-past": ("ddp", 2, "1", 10),
-    "ddp-x2-all-random": ("ddp", 2, "all", "random"),
     "ddp-workers2-x2-rank0-past": ("ddp-workers2", 2, "0", 7),
     "ddp-fu-x3-rank2-past": ("ddp-fu", 3, "2", 7),
     "fsdp1-x2-rank1-past": ("fsdp1", 2, "1", 7),
     "fsdp2-gather-x2-rank1-past": ("fsdp2-gather", 2, "1", 7),
-    "fsdp2-gather-x2-all-random": ("fsdp2-gather", 2, "all", "random"),
     "fsdp2-gather-x3-all-random": ("fsdp2-gather", 3, "all", "random"),
     "fsdp2-per_rank-x2-rank0-past": ("fsdp2-per_rank", 2, "0", 10),
     "fsdp2-per_rank-x2-all-random": ("fsdp2-per_rank", 2, "all", "random"),
@@ -440,7 +457,8 @@ def test_a_job_on_object_storage_killed_whole_resumes_bit_identically(mode: str,
 # ---------------------------------------------------------------------------------------- 2. SIGTERM on one rank
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2-gather", "fsdp2-per_rank"])
+# fsdp2-gather is left out: it stops as ddp does (rank 0 gathers and writes), at 0.3 s a step.
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2-per_rank"])
 def test_sigterm_on_one_rank_stops_every_rank_at_one_checkpoint(mode: str, tmp_path: Path, reference: Any) -> None:
     """Rank 1 alone is signalled after step 5. Every rank stops after the same step S and exits 0,
     S's checkpoint is the newest, and a restart finishes bit-identically. The ranks post their step
@@ -645,7 +663,7 @@ def test_with_ravex_off_the_script_trains_the_same(mode: str, tmp_path: Path, re
     ref = reference(2, mode)
     opts = {**MODES[mode], "stop_at": MAX_STEPS}
     for tag in ("off1", "off2"):
-        ok(run(tmp_path, tag, 2, opts, {"RAVEX_ENABLED": "0"}))
+        ok(run_uninterrupted(tmp_path, tag, 2, {**opts, "env": {"RAVEX_ENABLED": "0"}}))
         assert not (tmp_path / f"store-{tag}").exists()
     for r in range(2):
         one, two = (by_step(read_log(tmp_path, t, r), f"{t} rank {r}") for t in ("off1", "off2"))
