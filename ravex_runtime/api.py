@@ -113,13 +113,9 @@ def _run(f: Callable[..., Any], preemption_handler: bool, args: Any, kwargs: Any
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
         try:
-            # The final checkpoint: only when the state is consistent (the function finished, or it
-            # failed at an iteration boundary, not in the middle of a step).
-            if rt.active and (ok or rt.steps_since_boundary == 0) and rt.step > rt.start_step and rt.last_step_written != rt.step \
-                    and _all_here(rt):
-                if not rt.restored:
-                    rt.restore()
-                rt.collect(final=True)
+            if rt.active:
+                # consistent: the function finished, or it failed at an iteration boundary, not in the middle of a step
+                rt.final_checkpoint(consistent=ok or rt.steps_since_boundary == 0)
             rt.stop(wrote_final=True)
         except Exception as exc:  # noqa: BLE001 - Ravex failing at exit must not replace the user's outcome
             log.error("ravex: the final checkpoint failed: %s", exc)
@@ -127,23 +123,6 @@ def _run(f: Callable[..., Any], preemption_handler: bool, args: Any, kwargs: Any
             _current = None
             log.removeHandler(handler)
             handler.close()
-
-
-def _all_here(rt: Any) -> bool:
-    """On many ranks the final checkpoint is a collective: written only when every rank is known to
-    have reached the end at the same step (a bounded wait), never waiting on a rank that is gone."""
-    coord = rt.session.coord
-    if coord is None:
-        if rt.session.world_size > 1 and rt.session.rank == 0:
-            log.error("ravex: no final checkpoint at step %d: the ranks can no longer agree on one (the process group is gone, or was never "
-                      "initialized); the last checkpoint written stays the newest", rt.step)
-        return bool(rt.session.world_size == 1)
-    together, missing = coord.all_here(rt.step)
-    if not together:
-        log.error("ravex: no final checkpoint at step %d: %s; the last checkpoint written stays the newest", rt.step,
-                  f"rank(s) {', '.join(map(str, missing))} did not reach the end within {int(coord.exit_wait_s)} s" if missing
-                  else "the ranks ended at different steps")
-    return bool(together)
 
 
 def track(*objs: Any, name: str | None = None) -> None:
