@@ -264,7 +264,7 @@ class Session:
         # The checkpoint restore() will use (loaded ahead by prepare_restore()), the older ones to
         # fall back on, and the ones skipped: the resumed one is pinned, and a skipped one of this
         # store stops keep_last from pruning.
-        from .restoring import Resume
+        from .resume import Resume
 
         self._resume = Resume(self.path, cfg.backend, cfg.source)
         # every rank reads a foreign checkpoint: each checks the checksums of its share of it
