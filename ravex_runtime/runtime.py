@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .config import Config
+from .dist import initialized
 from .errors import ResumeError
 from .sampler import LoaderState
 from .session import Session
@@ -112,8 +113,6 @@ class Runtime:
         self.active = self.counting = False
 
     def disable(self, why: str) -> None:
-        from .dist import initialized
-
         if self.active and self.session.world_size > 1 and not self.session.left and initialized():
             # On many ranks the next checkpoint is a collective: a rank that stopped alone would
             # leave the others waiting in it. Every rank learns of it there, and all stop together.
