@@ -53,9 +53,45 @@ def _logging(log_file: Path | None) -> logging.Handler:
 
 
 def train_loop(fn: F | None = None, *, preemption_handler: bool = False) -> Any:
-    """Decorate the function that trains: its run is checkpointed and, when started
-    again, resumed from the newest checkpoint. ``preemption_handler=True`` turns
-    SIGTERM into a checkpoint at the next iteration boundary and a clean exit."""
+    """Checkpoint the run of the function that trains, and resume it when it is started again.
+
+    While the decorated function runs, Ravex notices the models, optimizers, LR schedulers,
+    GradScalers and DataLoaders it builds, counts ``optimizer.step()`` calls, and every
+    ``checkpoint_every`` steps copies the state at the top of an iteration and writes it in the
+    background to ``storage.path``. Started again on a store that holds checkpoints, it puts the
+    newest complete one into the live objects at the first iteration boundary (weights, optimizer,
+    schedulers, scaler, random states, data position), so the run goes on bit-identically. The
+    configuration is read when the function is called: defaults < ``ravex.yaml`` < ``RAVEX_*``
+    (docs/configuration.md); with ``RAVEX_ENABLED=0`` the function runs untouched. A failure of
+    Ravex's own while training switches it off and is logged; training goes on.
+
+    Args:
+        fn (Callable, optional): the function. Both ``@ravex.train_loop`` and
+            ``@ravex.train_loop(preemption_handler=True)`` work.
+        preemption_handler (bool, optional): turn SIGTERM into a checkpoint at the next iteration
+            boundary and a clean exit (status 0). Default: False.
+
+    Returns:
+        The decorated function. It returns what ``fn`` returns (None when ``max_steps`` stopped it).
+
+    Raises:
+        RavexError: when the decorated function is called, before any training: the configuration
+            is wrong, the store is not one or another run holds it, or a decorated function is
+            already running in this process.
+        ResumeError: no checkpoint of the store can be put into the live objects (when the function
+            is called, or at its first iteration boundary: before the first step).
+
+    Example::
+
+        @ravex.train_loop
+        def train():
+            model = Net()
+            opt = torch.optim.AdamW(model.parameters())
+            for x, y in DataLoader(data, batch_size=32, shuffle=True):
+                loss_fn(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    """
 
     def decorate(f: F) -> F:
         @functools.wraps(f)
