@@ -1,9 +1,9 @@
 """The session's ranks: joining the job's other ranks, and a capture on every rank of it.
 
 :meth:`RankCapture.join` uses Ravex's own group of the job's ranks (dist.py),
-made once the script has initialized its process group. Every rank then captures at the same
-iteration boundary (:meth:`RankCapture.capture`). How the checkpoint is
-captured follows from the model:
+made once the script has initialized its process group. Every rank then
+captures at the same iteration boundary (:meth:`RankCapture.capture`). How the
+checkpoint is captured follows from the model:
 
 - ``replicated`` (one process's model on every rank, DDP): rank 0 copies the
   model, optimizers and schedulers; the first capture checks with one checksum
