@@ -175,7 +175,7 @@ def child_ravex(a, out: dict) -> None:
     if enabled:
         # Ravex's own phases, timed from outside: the start (find and describe the checkpoint), the
         # restore at the first iter(loader), and in it the reads, the checks, the put-in.
-        from ravex_runtime import foreign, restoring
+        from ravex_runtime import foreign, resume
         from ravex_runtime import runtime as rtmod
 
         def timer(owner, attr: str, key: str) -> None:
@@ -195,7 +195,7 @@ def child_ravex(a, out: dict) -> None:
         timer(rtmod.Runtime, "start", "start")
         timer(rtmod.Runtime, "restore", "restore")
         for fn in ("adapt", "plan", "apply_plan"):
-            timer(restoring, fn, fn)
+            timer(resume, fn, fn)  # the names Resume calls
         timer(foreign._Reads, "run", "read")  # the bytes, once everything is checked
 
     class Rows(torch.utils.data.Dataset):

@@ -419,7 +419,7 @@ def reshard(src: str | Path, dst: str | Path, world_size: int, options: ConvertO
         raise RavexError(f"{src}: a {fmt} checkpoint has no ranks to reshard",
                          hint="`ravex convert` changes its format; reshard works on " + ", ".join(RESHARDABLE))
     o = replace(options or ConvertOptions(), world_size=world_size)
-    own = _writer_options(registry.get(fmt), writer).for_reshard(src, o.tag)
+    own = _writer_options(registry.get(fmt), writer).for_reshard(inspect(src, tag=o.tag))
     return convert(src, dst, fmt, o, writer=own, progress=progress)
 
 

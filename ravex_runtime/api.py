@@ -53,9 +53,45 @@ def _logging(log_file: Path | None) -> logging.Handler:
 
 
 def train_loop(fn: F | None = None, *, preemption_handler: bool = False) -> Any:
-    """Decorate the function that trains: its run is checkpointed and, when started
-    again, resumed from the newest checkpoint. ``preemption_handler=True`` turns
-    SIGTERM into a checkpoint at the next iteration boundary and a clean exit."""
+    """Checkpoint the run of the function that trains, and resume it when it is started again.
+
+    While the decorated function runs, Ravex notices the models, optimizers, LR schedulers,
+    GradScalers and DataLoaders it builds, counts ``optimizer.step()`` calls, and every
+    ``checkpoint_every`` steps copies the state at the top of an iteration and writes it in the
+    background to ``storage.path``. Started again on a store that holds checkpoints, it puts the
+    newest complete one into the live objects at the first iteration boundary (weights, optimizer,
+    schedulers, scaler, random states, data position), so the run goes on bit-identically. The
+    configuration is read when the function is called: defaults < ``ravex.yaml`` < ``RAVEX_*``
+    (docs/configuration.md); with ``RAVEX_ENABLED=0`` the function runs untouched. A failure of
+    Ravex's own while training switches it off and is logged; training goes on.
+
+    Args:
+        fn (Callable, optional): the function. Both ``@ravex.train_loop`` and
+            ``@ravex.train_loop(preemption_handler=True)`` work.
+        preemption_handler (bool, optional): turn SIGTERM into a checkpoint at the next iteration
+            boundary and a clean exit (status 0). Default: False.
+
+    Returns:
+        The decorated function. It returns what ``fn`` returns (None when ``max_steps`` stopped it).
+
+    Raises:
+        RavexError: when the decorated function is called, before any training: the configuration
+            is wrong, the store is not one or another run holds it, or a decorated function is
+            already running in this process.
+        ResumeError: no checkpoint of the store can be put into the live objects (when the function
+            is called, or at its first iteration boundary: before the first step).
+
+    Example::
+
+        @ravex.train_loop
+        def train():
+            model = Net()
+            opt = torch.optim.AdamW(model.parameters())
+            for x, y in DataLoader(data, batch_size=32, shuffle=True):
+                loss_fn(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    """
 
     def decorate(f: F) -> F:
         @functools.wraps(f)
@@ -113,13 +149,9 @@ def _run(f: Callable[..., Any], preemption_handler: bool, args: Any, kwargs: Any
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
         try:
-            # The final checkpoint: only when the state is consistent (the function finished, or it
-            # failed at an iteration boundary, not in the middle of a step).
-            if rt.active and (ok or rt.steps_since_boundary == 0) and rt.step > rt.start_step and rt.last_step_written != rt.step \
-                    and _all_here(rt):
-                if not rt.restored:
-                    rt.restore()
-                rt.collect(final=True)
+            if rt.active:
+                # consistent: the function finished, or it failed at an iteration boundary, not in the middle of a step
+                rt.final_checkpoint(consistent=ok or rt.steps_since_boundary == 0)
             rt.stop(wrote_final=True)
         except Exception as exc:  # noqa: BLE001 - Ravex failing at exit must not replace the user's outcome
             log.error("ravex: the final checkpoint failed: %s", exc)
@@ -127,23 +159,6 @@ def _run(f: Callable[..., Any], preemption_handler: bool, args: Any, kwargs: Any
             _current = None
             log.removeHandler(handler)
             handler.close()
-
-
-def _all_here(rt: Any) -> bool:
-    """On many ranks the final checkpoint is a collective: written only when every rank is known to
-    have reached the end at the same step (a bounded wait), never waiting on a rank that is gone."""
-    coord = rt.session.coord
-    if coord is None:
-        if rt.session.world_size > 1 and rt.session.rank == 0:
-            log.error("ravex: no final checkpoint at step %d: the ranks can no longer agree on one (the process group is gone, or was never "
-                      "initialized); the last checkpoint written stays the newest", rt.step)
-        return bool(rt.session.world_size == 1)
-    together, missing = coord.all_here(rt.step)
-    if not together:
-        log.error("ravex: no final checkpoint at step %d: %s; the last checkpoint written stays the newest", rt.step,
-                  f"rank(s) {', '.join(map(str, missing))} did not reach the end within {int(coord.exit_wait_s)} s" if missing
-                  else "the ranks ended at different steps")
-    return bool(together)
 
 
 def track(*objs: Any, name: str | None = None) -> None:

@@ -7,6 +7,7 @@ called, before any training happens.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 from ravex_convert.errors import RavexError
 
-__all__ = ["CONFIG_FILE", "Config", "ConfigError", "enabled", "find_config_file", "load_config"]
+__all__ = ["CONFIG_FILE", "Config", "ConfigError", "enabled", "find_config_file", "load_config", "override"]
 
 CONFIG_FILE = "ravex.yaml"
 
@@ -170,6 +171,16 @@ def _apply(cfg: Config, values: dict[str, Any], where: str, base: Path, env: boo
         setattr(cfg, key.replace(".", "_"), value)
         if key == "storage.path" and isinstance(raw, str) and raw.startswith(_OBJDIR):
             cfg.storage_type = "objdir"  # the object-store-semantics backend, spelled in the path as the CLI takes it
+
+
+def override(cfg: Config, given: dict[str, Any], where: str) -> Config:
+    """A copy of ``cfg`` with the settings ``given`` (keys as in ``ravex.yaml``, values as in Python),
+    checked as the file's are; errors name ``where``. ``cfg`` itself when nothing is given."""
+    if not given:
+        return cfg
+    cfg = dataclasses.replace(cfg)
+    _apply(cfg, given, where, Path.cwd(), env=False)
+    return cfg
 
 
 def load_config(cwd: Path | None = None, environ: dict[str, str] | None = None) -> Config:

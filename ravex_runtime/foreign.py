@@ -33,10 +33,11 @@ import torch
 
 from ravex_convert._names import prefix_hint, prefix_match
 from ravex_convert.errors import LayoutMismatchError, RavexError
-from ravex_convert.model import MODEL, OPTIM, Checkpoint, LogicalTensor, Region
+from ravex_convert.model import MODEL, OPTIM, Checkpoint, LogicalTensor, Region, TensorLink
 from ravex_convert.objects import RESUMED_FROM
 
-from .loading import as_shard, read_regions, shard_box
+from .loading import TS_FILE, as_shard, read_regions, shard_box
+from .sampler import _distributed_sampler, _sampler_of
 from .state import Tracked, _is_dtensor, is_fsdp1, tensor_view
 
 __all__ = ["ORIGIN_KEY", "Adapted", "Foreign", "adapt", "is_foreign", "open_foreign"]
@@ -76,8 +77,6 @@ class Foreign:
 def is_foreign(src: str) -> bool:
     """``src`` (a path) is no checkpoint of Ravex's own runtime: not a store, not one of its
     checkpoint directories, not a file of its torch_save backend."""
-    from .loading import TS_FILE
-
     p = Path(src)
     if (p / "ravex-store.json").is_file() or (p / "checkpoint.json").is_file():
         return False
@@ -399,8 +398,6 @@ def _groups(f: Foreign, opt: Any, saved: list[Any], live_groups: list[list[str]]
 
 def _links(value: Any) -> bool:
     """``value`` holds a tensor (a link to one the checkpoint stores): not taken whole."""
-    from ravex_convert.model import TensorLink
-
     if isinstance(value, TensorLink):
         return True
     if isinstance(value, dict):
@@ -467,8 +464,6 @@ def _samples(f: Foreign, step: int | None, per_step: int) -> tuple[int, str]:
 
 
 def _loaders(f: Foreign, live: Tracked, objs: dict[str, Any], step: int | None, rank: int) -> None:
-    from .sampler import _distributed_sampler, _sampler_of
-
     loaders = [(i, ld) for i, (ld, _) in enumerate(live.loaders) if ld is not None]
     if not loaders:
         return

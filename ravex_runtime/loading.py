@@ -3,6 +3,7 @@ torch_save backend's files (``torch.load(weights_only=True)``). Nothing is unpic
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,9 @@ from typing import Any
 import torch
 
 from ravex_convert.errors import RavexError
-from ravex_convert.model import MODEL, OPTIM, Checkpoint
+from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint
 
-from .state import tensor_view
+from .state import _is_dtensor, tensor_view
 
 __all__ = ["TS_FILE", "as_shard", "is_lazy", "load_checkpoint", "load_torch_save", "read_for", "read_regions", "shard_box", "torch_save_files"]
 
@@ -47,14 +48,10 @@ def shard_box(like: Any) -> Any:
     """The box of the global tensor this rank holds of ``like``, an FSDP2 shard (a DTensor on the
     CPU whose placements are Shard or Replicate: the local shard is one box); None for anything
     else (read whole, then cut)."""
-    from .state import _is_dtensor
-
     if like is None or not _is_dtensor(like) or like.device.type != "cpu":
         return None
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    from ravex_convert.model import Box
 
     if not all(type(p) in (Shard, Replicate) for p in like.placements):
         return None
@@ -72,8 +69,6 @@ def as_shard(local: torch.Tensor, like: Any) -> torch.Tensor:
 def read_regions(items: list[tuple[Any, Any, Any, str | None]]) -> None:
     """:func:`ravex_convert._engine.read_parts` with this rank's share of the machine's CPUs (the
     ranks of a node read at once)."""
-    import os
-
     from ravex_convert._dist import local_size
     from ravex_convert._engine import read_parts
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .config import Config
+from .dist import initialized
 from .errors import ResumeError
 from .sampler import LoaderState
 from .session import Session
@@ -112,8 +113,6 @@ class Runtime:
         self.active = self.counting = False
 
     def disable(self, why: str) -> None:
-        from .dist import initialized
-
         if self.active and self.session.world_size > 1 and not self.session.left and initialized():
             # On many ranks the next checkpoint is a collective: a rank that stopped alone would
             # leave the others waiting in it. Every rank learns of it there, and all stop together.
@@ -239,16 +238,36 @@ class Runtime:
     def before_destroy(self) -> None:
         """The script destroys its process group (at its end): the last checkpoint of a run on many
         ranks is written first, when every rank is known to be here; then the ranks part."""
-        session = self.session
-        if session.coord is None:
+        if self.session.coord is None:
             return
-        from .api import _all_here
+        self.final_checkpoint()
+        self.session.leave()
 
-        if self.step > self.start_step and self.last_step_written != self.step and _all_here(self):
+    def final_checkpoint(self, consistent: bool = True) -> None:
+        """The run's last checkpoint, at its end (the decorated function returned or raised, or the
+        script is destroying its process group): written when the state is ``consistent`` (not in
+        the middle of a step), steps were taken since the last one written, and, on many ranks,
+        every rank is known to have reached the end at the same step (a collective)."""
+        if consistent and self.step > self.start_step and self.last_step_written != self.step and self._all_here():
             if not self.restored:
                 self.restore()
             self.collect(final=True)
-        session.leave()
+
+    def _all_here(self) -> bool:
+        """On many ranks the final checkpoint is a collective: written only when every rank is known to
+        have reached the end at the same step (a bounded wait), never waiting on a rank that is gone."""
+        session = self.session
+        if session.coord is None:
+            if session.world_size > 1 and session.rank == 0:
+                log.error("ravex: no final checkpoint at step %d: the ranks can no longer agree on one (the process group is gone, or was never "
+                          "initialized); the last checkpoint written stays the newest", self.step)
+            return bool(session.world_size == 1)
+        together, missing = session.coord.all_here(self.step)
+        if not together:
+            log.error("ravex: no final checkpoint at step %d: %s; the last checkpoint written stays the newest", self.step,
+                      f"rank(s) {', '.join(map(str, missing))} did not reach the end within {int(session.coord.exit_wait_s)} s" if missing
+                      else "the ranks ended at different steps")
+        return bool(together)
 
     def boundary_restore_only(self) -> None:
         """``iter(loader)``: restore (once) before the iterator is built, so it can continue the saved position."""

@@ -26,17 +26,27 @@ import functools
 import itertools
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from ravex_convert.model import TensorLink
+
 from ._passthrough import Passthrough
-from .state import Snapshot
 from .workers import ResumeInit, StampCollate, Stamped, rng_objects
 
-__all__ = ["LoaderState", "generators_of", "unrestorable_generators", "unstamped"]
+__all__ = ["LoaderState", "SnapshotLike", "generators_of", "unrestorable_generators", "unstamped"]
 
 log = logging.getLogger("ravex")
+
+
+class SnapshotLike(Protocol):
+    """What a loader's position is copied into: :class:`ravex_runtime.state.Snapshot`, named by the
+    two methods used here, so that this module does not import the capture code (which imports it)."""
+
+    def add(self, name: str, t: torch.Tensor) -> TensorLink: ...
+
+    def flatten(self, value: Any, prefix: str) -> Any: ...
 
 
 # A sampler's own attributes that lead to the data, not to how it draws.
@@ -272,7 +282,7 @@ class LoaderState:
         if self.persistent:
             self.worker_start = dict(self.worker_last)
 
-    def capture(self, snap: Snapshot, loader: Any, key: str | None = None) -> dict[str, Any]:
+    def capture(self, snap: SnapshotLike, loader: Any, key: str | None = None) -> dict[str, Any]:
         key = key or f"loaders/{self.index}"
         out: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed, "length": self.length(loader), "replayable": self.replayable,
                                "epoch_start": {k: snap.add(f"obj/{key}/epoch_start/{k}", v) for k, v in self.epoch_start.items()},

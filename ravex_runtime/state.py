@@ -14,15 +14,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
 from ravex_convert.errors import RavexError
 from ravex_convert.model import BUFFER, FROZEN, MODEL, OBJ, OPTIM, PARAMETER, Box, Checkpoint, Chunk, LogicalTensor, TensorLink
 
-if TYPE_CHECKING:
-    from .sampler import LoaderState
+from .sampler import LoaderState
 
 __all__ = ["Snapshot", "Tracked", "capture", "capture_rng", "layout_of", "restore_rng", "tensor_view", "to_checkpoint", "unflatten"]
 

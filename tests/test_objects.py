@@ -90,7 +90,7 @@ def test_deepspeeds_loss_scaler_is_not_a_grad_scaler() -> None:
     ckpt = read_checkpoint(DATA / "zero2_ws2_fp32" / "checkpoint")
     assert "loss_scaler" in ckpt.objects and "cur_scale" in ckpt.objects["loss_scaler"]
     assert "grad_scaler" not in ckpt.objects
-    from ravex_runtime.restoring import _grad_scalers
+    from ravex_runtime.checking import _grad_scalers
 
     assert _grad_scalers(ckpt.objects) == {}
     legacy = {"loss_scaler": {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 3}}

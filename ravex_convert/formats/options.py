@@ -14,14 +14,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from .._output import Options
 from ..errors import RavexError
+from ..info import CheckpointInfo
 
-if TYPE_CHECKING:
-    from .registry import Format
+
+class Named(Protocol):
+    """What :meth:`WriteOptions.build` reads of a format (a registry ``Format``; a
+    protocol, so that the registry, which imports this module, is not imported back)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def write_options(self) -> type[WriteOptions]: ...
 
 __all__ = ["LAYOUT", "Flag", "WriteOptions", "either", "flag_of", "option", "parse_names", "parse_size"]
 
@@ -108,13 +116,14 @@ class WriteOptions:
         keywords = {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("on_options")}
         return (dataclasses.replace(opts, **shared) if shared else opts), keywords
 
-    def for_reshard(self, src: str | Path, tag: str | None) -> WriteOptions:
-        """These options for a reshard of ``src`` into its own format: where an
-        option was left out, the source's own value (a ZeRO run's stage)."""
+    def for_reshard(self, source: CheckpointInfo) -> WriteOptions:
+        """These options for a reshard of ``source`` (what ``inspect`` says of it) into
+        its own format: where an option was left out, the source's own value (a ZeRO
+        run's stage)."""
         return self
 
     @classmethod
-    def build(cls, fmt: Format, values: Mapping[str, Any], everyone: Sequence[Format]) -> WriteOptions:
+    def build(cls, fmt: Named, values: Mapping[str, Any], everyone: Sequence[Named]) -> WriteOptions:
         """The options of ``fmt`` from ``values`` (field name -> value, as the CLI
         parses every format's flags). A value for an option ``fmt`` does not take
         is refused unless it is that option's default; ``everyone`` (the formats

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 from ...errors import RavexError
+from ...info import CheckpointInfo
 from ..options import Flag, WriteOptions, option, parse_names
 
 __all__ = ["BUFFERS", "PRECISION", "ZERO_STAGE", "ZeroOptions"]
@@ -37,10 +37,8 @@ class ZeroOptions(WriteOptions):
         if self.zero_stage not in (1, 2, 3):
             raise RavexError(f"--to zero needs --zero-stage 1, 2 or 3 (got {self.zero_stage})", hint="choose the stage the resumed run will use")
 
-    def for_reshard(self, src: str | Path, tag: str | None) -> ZeroOptions:
+    def for_reshard(self, source: CheckpointInfo) -> ZeroOptions:
         if self.zero_stage is not None:
             return self
-        from ...detect import inspect
-
         # keep the stage the run used (BF16_Optimizer runs ZeRO-1)
-        return dataclasses.replace(self, zero_stage=inspect(src, tag=tag).zero_stage)
+        return dataclasses.replace(self, zero_stage=source.zero_stage)
