@@ -9,11 +9,14 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ravex_convert.errors import LayoutMismatchError, RavexError
 
 from .config import enabled, load_config
+
+if TYPE_CHECKING:  # the runtime imports torch: loaded when a decorated function is called
+    from .runtime import Runtime
 
 __all__ = [
     "batch_boundary", "checkpoint", "deactivate", "flush", "is_active", "load_weights", "restore", "status", "step", "track", "train_loop",
@@ -21,10 +24,10 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("ravex")
-_current: Any = None  # the Runtime of the decorated call in progress, if any
+_current: Runtime | None = None  # the Runtime of the decorated call in progress, if any
 
 
-def _rt() -> Any:
+def _rt() -> Runtime | None:
     return _current if _current is not None and _current.active else None
 
 
@@ -168,7 +171,10 @@ def track(*objs: Any, name: str | None = None) -> None:
     if rt is None:
         return
     for i, obj in enumerate(objs):
-        key = name if name is not None and len(objs) == 1 else (f"{name}.{i}" if name is not None else f"{type(obj).__name__}.{len(rt.tracked)}")
+        # Unnamed: the type and how many objects were tracked by name before it, the same in a
+        # resumed run that tracks the same objects in the same order.
+        key = name if name is not None and len(objs) == 1 else (f"{name}.{i}" if name is not None else
+                                                                 f"{type(obj).__name__}.{len(rt.session.tracked().named)}")
         rt.track(obj, key)
 
 

@@ -449,3 +449,30 @@ def test_max_steps_is_enforced_after_a_failing_write_disables_ravex(env: Path, l
     if status:  # the batch_boundary loop ends by returning from the function at its boundary
         assert not status["active"] and "checkpoint write failed" in status["error"]
     assert "disabled for the rest of this run: checkpoint write failed" in logs() and "training continues without checkpoints" in logs()
+
+
+def test_objects_tracked_without_a_name_are_saved_and_restored(env: Path) -> None:
+    """``ravex.track(obj)`` names each object by its type and its place: two counters tracked
+    that way come back to their own values in the resumed run."""
+    firsts: list[Counter] = []
+
+    def body(steps: int, out: list[Counter]) -> None:
+        a, b = Counter(), Counter()
+        ravex.track(a)
+        ravex.track(b)
+        out += [a, b]
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            ravex.batch_boundary()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            a.n += 1
+            b.n += 10
+
+    ravex.train_loop(lambda: body(4, firsts))()
+    assert [float(c.n) for c in firsts] == [4, 40]
+    again: list[Counter] = []
+    ravex.train_loop(lambda: body(1, again))()  # restored at its first boundary, then one step more
+    assert [float(c.n) for c in again] == [5, 50]
