@@ -28,6 +28,8 @@ import ravex_convert
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _launch import launch
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "_hf_train.py"
 
 

@@ -197,6 +197,7 @@ def test_sigkill_then_resume_is_bit_identical(case: str, tmp_path: Path) -> None
     check_resumed(tmp_path, MATRIX[case], kills=[7])
 
 
+@pytest.mark.slow
 def test_max_steps_across_three_restarts(tmp_path: Path) -> None:
     check_resumed(tmp_path, {"shuffle": True, "sched": True}, kills=[4, 9], max_steps=14, every=2)
     # Started again after the end: nothing more is trained.
@@ -205,6 +206,7 @@ def test_max_steps_across_three_restarts(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "out-kill.json").read_text())["step"] == 14
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 3])
 def test_sigterm_checkpoints_exits_cleanly_and_resumes(accum: int, tmp_path: Path) -> None:
     # With accumulation, SIGTERM is sent in the middle of one (a micro-batch and a half after a

@@ -119,6 +119,7 @@ def loop(tmp_path: Path, mode: str, k: int, workers: int, store: Path | str) -> 
     return result, torch.load(f"{out}.pt", weights_only=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("k", "workers"), [(7, 0), (5, 0), (7, 2)], ids=["mid-epoch", "epoch-end", "mid-epoch-2-workers"])
 def test_a_hand_written_loop_resumed_in_a_fresh_process_is_bit_identical(tmp_path: Path, k: int, workers: int) -> None:
     ref, ref_weights = loop(tmp_path, "plain", k, workers, tmp_path / "unused")
@@ -137,6 +138,7 @@ def test_a_hand_written_loop_resumed_in_a_fresh_process_is_bit_identical(tmp_pat
     assert all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights)
 
 
+@pytest.mark.slow
 def test_the_loop_on_object_storage_killed_and_resumed_is_bit_identical(tmp_path: Path) -> None:
     """The same on ``objdir:`` (docs/format.md section 3): the killed run leaves its lease object
     behind (no kernel releases it), and the next run of this host takes it over."""
