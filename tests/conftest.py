@@ -81,3 +81,16 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("RAVEX_CHECKPOINT_EVERY", "2")
     monkeypatch.setenv("RAVEX_KEEP_LAST", "10")
     return store
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real S3 server (SeaweedFS, tests/_s3server.py) on 127.0.0.1 for the session;
+    each test takes a prefix of its own in its bucket."""
+    import _s3server
+
+    server = _s3server.start(tmp_path_factory.mktemp("s3"))
+    try:
+        yield server
+    finally:
+        server.stop()

