@@ -7,10 +7,11 @@ A plain function returning data; the CLI renders it. Reads JSON metadata only
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
-from ravex_convert.errors import NotFoundError, RavexError
+from ravex_convert.errors import NotFoundError
 
 from .config import find_config_file, load_config
 
@@ -22,11 +23,14 @@ def _default_store() -> Path:
 
 
 def _dir_size(d: Path) -> int:
+    """The bytes of the files in ``d`` itself: a symbolic link in it is not followed (it may lead
+    out of the store), and counts as nothing."""
     total = 0
-    if d.is_dir():
+    if d.is_dir() and not d.is_symlink():
         for p in d.rglob("*"):
-            if p.is_file():
-                total += p.stat().st_size
+            st = p.lstat()
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
     return total
 
 
@@ -70,29 +74,28 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
     (logical), bytes_on_disk (files in its own directory), created_unix, complete, problem, run_id, ranks: who wrote it in a
     run on many ranks, else None; began_from: the other program's checkpoint the run began from, else None) and
     ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint)."""
-    from ravex_convert.formats.native.reader import CHECKPOINT, MANIFEST, STORE_MARKER
+    from ravex_convert._paths import inside
+    from ravex_convert.formats.native.reader import CHECKPOINT, MANIFEST, STORE_MARKER, read_manifest
     from ravex_convert.storage import local_view
 
     store = local_view(path) if path is not None else _default_store()
     if not (store / STORE_MARKER).is_file():
         raise NotFoundError(f"{store}: not a Ravex store (no {STORE_MARKER})",
                             hint="give the store directory (storage.path in ravex.yaml) or run where ravex.yaml is", path=store)
-    try:
-        manifest = json.loads((store / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise RavexError(f"{store / MANIFEST}: cannot be read: {exc}", hint="the store's manifest is damaged", path=store / MANIFEST) from None
+    # The readers' own checks: a manifest whose entry names a directory outside the store (an
+    # absolute path, '..', a link leading out) is refused here as it is by inspect and a resume.
+    manifest = read_manifest(store)
     rows: list[dict[str, Any]] = []
     resume: int | None = None
-    for e in manifest.get("checkpoints", []):
-        if not isinstance(e, dict):
-            continue
-        d = store / str(e.get("dir", ""))
+    for e in manifest["checkpoints"]:
+        d = inside(store, e["dir"], f"checkpoint {e['index']}: dir", store / MANIFEST)
+        meta = inside(store, f"{e['dir']}/{CHECKPOINT}", f"checkpoint {e['index']}: metadata", store / MANIFEST)
         problem = None
         if e.get("status") != "complete":
             problem = f"status {e.get('status')!r}"
-        elif not (d / CHECKPOINT).is_file():
+        elif not meta.is_file():
             problem = f"{CHECKPOINT} missing"
-        objs = _objects(d / CHECKPOINT) if problem is None else {}
+        objs = _objects(meta) if problem is None else {}
         rows.append({"index": e.get("index"), "step": e.get("step"), "bytes": e.get("bytes"), "bytes_on_disk": _dir_size(d),
                      "created_unix": e.get("created_unix"), "complete": problem is None, "problem": problem, "run_id": e.get("run_id"),
                      "ranks": _ranks(objs), "began_from": _began_from(objs)})

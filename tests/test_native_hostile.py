@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -521,3 +522,50 @@ def test_a_million_column_chunks_are_checked_quickly() -> None:
     t0 = time.perf_counter()
     assert _tiling_problem((3, n), [Box((0, j), (3, 1)) for j in range(n)]) is None
     assert time.perf_counter() - t0 < 10
+
+
+# ---------------------------------------------------------------- a manifest naming a directory outside the store
+
+
+def _outside_dir(store: Path, tmp_path: Path) -> Path:
+    """A copy of checkpoint 0 outside the store."""
+    out = tmp_path / "outside" / "00000000"
+    out.parent.mkdir()
+    shutil.copytree(store / "checkpoints" / "00000000", out)
+    return out
+
+
+def _dotdot(store: Path, tmp_path: Path) -> None:
+    _outside_dir(store, tmp_path)
+    _set_dir(store, "../outside/00000000")
+
+
+def _absolute(store: Path, tmp_path: Path) -> None:
+    _set_dir(store, str(_outside_dir(store, tmp_path)))
+
+
+def _linked(store: Path, tmp_path: Path) -> None:
+    out = _outside_dir(store, tmp_path)
+    shutil.rmtree(store / "checkpoints" / "00000000")
+    (store / "checkpoints" / "00000000").symlink_to(out)
+
+
+def _set_dir(store: Path, value: str) -> None:
+    m = json.loads((store / "manifest.json").read_text())
+    m["checkpoints"][0]["dir"] = value
+    (store / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("craft", [_dotdot, _absolute, _linked], ids=["dotdot", "absolute", "link-out"])
+@pytest.mark.parametrize("command", ["status", "inspect", "verify", "convert"])
+def test_every_command_refuses_a_manifest_that_names_a_directory_outside(store: Path, tmp_path: Path, craft: Any, command: str) -> None:
+    """Issue 31, item 6: ``ravex status`` followed a manifest entry's ``dir`` out of the store
+    and read the checkpoint.json there, while the readers refused it. Every command now
+    refuses the store (exit 7, naming the store's file and the path) and reads nothing outside."""
+    craft(store, tmp_path)
+    args = {"status": [store], "inspect": [store], "verify": [store, store], "convert": [store, tmp_path / "out.safetensors"]}[command]
+    res = run_ravex(command, *args)
+    assert res.returncode == 7, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    assert "00000000" in res.stderr and "hint:" in res.stderr, res.stderr
+    assert res.stdout == ""
+    assert not (tmp_path / "out.safetensors").exists()
