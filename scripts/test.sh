@@ -58,17 +58,5 @@ if [ "$rc" -eq 5 ]; then
   echo "test.sh: pytest collected no test" >&2
   exit 1
 fi
-if [ "$rc" -ne 0 ] || [ "$#" -ne 0 ] || [ "$fast" -eq 1 ]; then
-  exit "$rc"
-fi
-
-echo "== pytest: the writers' tests again, every output through the object-store-semantics backend"
-# RAVEX_STORAGE=objdir: no rename, no in-place update, no flock inside a bucket while an
-# output is open there (ravex_convert/storage/objdir.py); a writer that assumes POSIX fails here.
-set +e
-RAVEX_STORAGE=objdir "$venv/bin/pytest" tests/test_convert_exact.py tests/test_dcp_write.py tests/test_zero_write.py \
-  tests/test_layout_alignment.py tests/test_convert_bad_input.py tests/test_native_write.py tests/test_storage.py
-rc=$?
-set -e
-[ "$rc" -eq 5 ] && { echo "test.sh: the objdir pass collected no test" >&2; exit 1; }
+# The writers' tests run on every storage backend within this run (conftest's storage_backend).
 exit "$rc"

@@ -94,3 +94,21 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield server
     finally:
         server.stop()
+
+
+# The storage backends a writer's test runs on: each test of a module that uses this fixture
+# (pytestmark = pytest.mark.usefixtures("storage_backend")) runs once per backend, grouped by
+# backend (module scope), with every plain output path routed through it. "objdir" keeps the
+# object-store rules: no rename, no in-place update, no flock inside a bucket while an output is
+# open there (ravex_convert/storage/objdir.py); a writer that assumes POSIX fails there.
+STORAGE_BACKENDS = ["local", "objdir"]
+
+
+@pytest.fixture(scope="module", params=STORAGE_BACKENDS)
+def storage_backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "local":
+            mp.delenv("RAVEX_STORAGE", raising=False)
+        else:
+            mp.setenv("RAVEX_STORAGE", request.param)
+        yield str(request.param)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import DATA, ravex_bin, run_ravex
 
+pytestmark = pytest.mark.usefixtures("storage_backend")  # every test on every backend (conftest)
+
 
 def _leftovers(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir())

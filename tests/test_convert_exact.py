@@ -14,6 +14,8 @@ import torch
 from conftest import DATA, fixture_dirs, run_ravex
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.usefixtures("storage_backend")  # every test on every backend (conftest)
+
 FIXTURES = fixture_dirs()
 
 

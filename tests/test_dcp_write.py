@@ -37,6 +37,8 @@ from ravex_convert.formats.dcp import reader as dcp_read
 from ravex_convert.formats.dcp import writer as dcp_write
 from ravex_convert.model import Box, Checkpoint, Chunk, LogicalTensor, TensorLink
 
+pytestmark = pytest.mark.usefixtures("storage_backend")  # every test on every backend (conftest)
+
 
 def _fixture_model() -> ModuleType:
     spec = importlib.util.spec_from_file_location("ravex_fixture_model", FIXTURES / "model.py")

@@ -7,12 +7,15 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from ravex_convert import convert
 from ravex_convert._engine import PAGE, page_residue, vote_residue
 from ravex_convert._torchfile.write import ZipLayout
 from ravex_convert.model import Box, Chunk, Flat, LogicalTensor
+
+pytestmark = pytest.mark.usefixtures("storage_backend")  # every test on every backend (conftest)
 
 
 def test_records_take_the_residue_asked_when_it_keeps_64_byte_alignment() -> None:

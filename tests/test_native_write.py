@@ -35,8 +35,12 @@ from ravex_convert.formats.zero import reader as zero
 from ravex_convert.model import Box, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, itemsize
 from ravex_convert.storage import ABSENT, resolve
 
+pytestmark = pytest.mark.usefixtures("storage_backend")  # every test on every backend (conftest)
+
 LANES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-OBJDIR = os.environ.get("RAVEX_STORAGE") == "objdir"  # every store goes through the object-store-semantics backend
+def objdir() -> bool:
+    """Every store goes through the object-store-semantics backend (conftest's storage_backend)."""
+    return os.environ.get("RAVEX_STORAGE") == "objdir"
 
 
 # ---------------------------------------------------------------- helpers
@@ -279,7 +283,7 @@ def test_inspect_json_reports_the_store(tmp_path: Path) -> None:
 def held_by_another(store: Path, note: dict[str, Any]) -> Iterator[None]:
     """The store's lock held by another writer, as it holds it on this backend: an flock on
     ``<store>/lock`` with its note inside, or (RAVEX_STORAGE=objdir) the lease object."""
-    if OBJDIR:
+    if objdir():
         storage, key = resolve(store / "lock")
         storage.put(key, json.dumps(note).encode(), if_generation=ABSENT)
         try:
@@ -309,7 +313,7 @@ def test_lock_held_is_a_clear_error(tmp_path: Path, pt_files: dict[str, Path]) -
         with pytest.raises(RavexError, match="pid 4242"):
             native_write.prune(store, 1)
     assert native_write.write(src, store, Options())["index"] == 1  # released: the next writer goes ahead
-    if OBJDIR:
+    if objdir():
         assert not (store / "lock").exists()  # a lease object lives while it is held
     else:
         assert json.loads((store / "lock").read_text())["pid"] == os.getpid()
@@ -377,7 +381,7 @@ def test_hard_crash_leaves_the_previous_checkpoint_and_garbage_the_next_write_cl
     # checkpoint.json: a temporary one (the second writer swept the first's leftovers)
     assert left[0] == ["00000000", "00000001"]
     # (a backend without rename, RAVEX_STORAGE=objdir, writes it under its final name: as unlisted, as swept)
-    staged = r"00000002" if OBJDIR else r"00000002\.tmp-[0-9a-f]{12}"
+    staged = r"00000002" if objdir() else r"00000002\.tmp-[0-9a-f]{12}"
     assert left[1][0] == "00000000" and re.fullmatch(staged, left[1][1]) and len(left[1]) == 2, left
     assert sorted(os.listdir(store / "checkpoints" / left[1][1])) == ["rank00000.safetensors", "rank00001.safetensors"]
     assert native.resolve(store, -1)[0]["index"] == 0
@@ -453,7 +457,7 @@ def test_refuses_a_directory_that_is_not_a_store(tmp_path: Path, pt_files: dict[
     (tmp_path / "e" / "manifest.json.tmp-abc").write_text("{")
     assert native_write.write(src, tmp_path / "e", Options())["index"] == 0
     # (the lock file stays; a lease object, RAVEX_STORAGE=objdir, is deleted on release)
-    assert sorted(os.listdir(tmp_path / "e")) == ["checkpoints", *([] if OBJDIR else ["lock"]), "manifest.json", "ravex-store.json"]
+    assert sorted(os.listdir(tmp_path / "e")) == ["checkpoints", *([] if objdir() else ["lock"]), "manifest.json", "ravex-store.json"]
     marker = json.loads((tmp_path / "e" / "ravex-store.json").read_text())
     assert marker["format"] == "ravex-store" and marker["format_version"] == 1 and re.fullmatch(r"[0-9a-f]{32}", marker["store_id"])
 

@@ -3,7 +3,7 @@
 ``objdir`` must behave like an object store (no rename, no in-place update,
 objects whole or absent, conditional puts, leases) and refuse any code that
 treats its bucket as a POSIX directory; ``local`` must keep today's behaviour.
-The writers' own tests run against both (``RAVEX_STORAGE=objdir``, scripts/test.sh).
+The writers' own tests run against both (the ``storage_backend`` fixture, conftest.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from ravex_convert import ConvertOptions, convert, inspect, read_checkpoint
 from ravex_convert.errors import RavexError
 from ravex_convert.storage import ABSENT, LocalStorage, PreconditionFailed, resolve
 from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation
+
+pytestmark = pytest.mark.usefixtures("storage_backend")  # every test on every backend (conftest)
 
 
 @pytest.fixture

@@ -32,6 +32,8 @@ from ravex_convert.formats.zero import reader as zero
 from ravex_convert.formats.zero import writer as zero_write
 from ravex_convert.model import Box, Checkpoint, Chunk, LogicalTensor
 
+pytestmark = pytest.mark.usefixtures("storage_backend")  # every test on every backend (conftest)
+
 BUFFERS = ["out_scale", "blocks.0.attn.softmax_scale", "blocks.1.attn.softmax_scale"]
 SOURCES = ["zero1_ws2_fp32", "zero2_ws3_fp32", "zero3_ws2_fp32", "zero3_ws3_bf16", "zero2_ws2_bf16", "bf16opt_ws2", "fsdp2_ws2",
            "zero3sg_ws3_bf16", "zero2e_ws2_fp32", "zero1e_ws3_bf16"]
@@ -237,6 +239,7 @@ def test_refused_with_a_hint(make: Any, stage: int, error: type[RavexError], mes
     ({"hyperparameters": [{"lr": 1.0}]}, "hyperparameters has 1 entries; the source has 2"),
 ])
 def test_bad_options(kw: dict[str, Any], message: str, tmp_path: Path) -> None:
+    kw = dict(kw)  # the parameter is shared by this test's runs on each storage backend
     with pytest.raises(RavexError) as info:
         write_zero("zero2_ws2_fp32", tmp_path / "out", kw.pop("world_size", 2), kw.pop("stage", 2), **kw)
     assert message in info.value.message and info.value.hint
@@ -327,10 +330,11 @@ _DEEPSPEED_SIDE = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def deepspeed_view(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def deepspeed_view(tmp_path_factory: pytest.TempPathFactory, storage_backend: str) -> dict[str, Any]:
     """Each written checkpoint as DeepSpeed sees it (in a subprocess: DeepSpeed's
     classes are needed to unpickle the optimizer files): the fixtures' own
-    describe_torch_file of every file, and zero_to_fp32's consolidated weights."""
+    describe_torch_file of every file, and zero_to_fp32's consolidated weights.
+    Written anew on each storage backend."""
     pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp("zero_layouts")
     jobs: list[tuple[str, str]] = []
