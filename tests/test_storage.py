@@ -18,7 +18,7 @@ from conftest import DATA
 from ravex_convert import ConvertOptions, convert, inspect, read_checkpoint
 from ravex_convert.errors import RavexError
 from ravex_convert.storage import ABSENT, LocalStorage, PreconditionFailed, resolve
-from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation
+from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation, in_use
 
 pytestmark = pytest.mark.usefixtures("storage_backend")  # every test on every backend (conftest)
 
@@ -100,6 +100,18 @@ def test_replacing_drops_the_old_commit_object_first(bucket: ObjectDirStorage) -
     second = bucket.output("ck", force=True, directory=True, token="t6")
     assert bucket.list("ck") == []  # the old output stopped being a checkpoint before anything new landed
     second.abort()
+
+
+def test_a_refused_output_leaves_its_bucket_unwatched(bucket: ObjectDirStorage) -> None:
+    """An output refused as it opens (its key exists) stops watching the bucket: a process that
+    goes on (the runtime, an API caller) may use that directory again. Seen when the writers'
+    tests first ran on both backends in one process."""
+    first = bucket.output("ck", force=False, directory=True, token="t7")
+    first.publish([(".metadata", b"m")])
+    assert in_use() == []
+    with pytest.raises(RavexError, match="already exists"):
+        bucket.output("ck", force=False, directory=True, token="t8")
+    assert in_use() == []
 
 
 @pytest.mark.parametrize("to", ["safetensors", "torch_save", "dcp", "zero"])

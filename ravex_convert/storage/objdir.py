@@ -184,6 +184,15 @@ class _Output:
         self._written: list[str] = []
         self._sinks: list[_SpoolSink] = []
         self._watch()
+        try:
+            self._create(dst, force, create, commit)
+        except BaseException:
+            self._unwatch()  # refused before it began: nothing of it may stay watched in this process
+            raise
+        self.spool.mkdir(exist_ok=True)
+
+    def _create(self, dst: str, force: bool, create: bool, commit: tuple[str, ...]) -> None:
+        store = self.store
         if create:
             if not os.path.isdir(store.root):
                 raise RavexError(f"{store.root}: the destination's bucket (directory) does not exist", hint="create it first", path=store.root)
@@ -202,7 +211,6 @@ class _Output:
             if not old and here.is_dir() and not any(here.iterdir()):
                 with _backend():
                     here.rmdir()  # an empty folder marker
-        self.spool.mkdir(exist_ok=True)
 
     def _watch(self) -> None:
         _watch(self.store.root)
