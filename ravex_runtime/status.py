@@ -88,7 +88,7 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     resume: int | None = None
     for e in manifest["checkpoints"]:
-        d = inside(store, e["dir"], f"checkpoint {e['index']}: dir", store / MANIFEST)
+        d = store / e["dir"]  # checked by read_manifest: checkpoints/<index>, inside the store
         meta = inside(store, f"{e['dir']}/{CHECKPOINT}", f"checkpoint {e['index']}: metadata", store / MANIFEST)
         problem = None
         if e.get("status") != "complete":

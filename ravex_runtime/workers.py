@@ -204,15 +204,7 @@ def _exit_with_parent() -> None:
     if _WATCHING:
         return
     _WATCHING = True
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="ravex-parent-watch", daemon=True).start()
+    _watch_parent(os.getppid())
 
 
 class StampCollate:
@@ -274,20 +266,23 @@ def _load_prctl() -> Any:
     return _prctl or None
 
 
-def _die_with(parent: int, signal_ok: bool) -> None:
-    """In a new worker: end it when ``parent`` dies, and now if it already has."""
-    prctl = _prctl or None
+def _tie(parent: int | None, signal_ok: bool) -> None:
+    """In a new worker: end it when its parent dies, and now if ``parent`` (the trainer's pid,
+    None where the parent is not the trainer) is already gone."""
+    prctl = _load_prctl()
     if signal_ok and prctl is not None:
-        # The signal follows the parent *thread*: armed only when the main thread forked
-        # (a loader iterated from a short-lived thread would otherwise lose its workers).
+        # The signal follows the parent *thread*: armed only when the main thread started the
+        # worker (a loader iterated from a short-lived thread would otherwise lose its workers).
         prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     else:
-        _watch_parent(parent)
-    if os.getppid() != parent:
+        _watch_parent(os.getppid())
+    if parent is not None and os.getppid() != parent:
         os._exit(0)
 
 
 def _watch_parent(parent: int) -> None:
+    """A thread that ends this process once its parent is no longer ``parent``."""
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
@@ -300,7 +295,7 @@ def _after_fork_child() -> None:
     global _starting
     starting, _starting = _starting, None
     if starting is not None and starting[1] == threading.get_ident():
-        _die_with(starting[0], starting[2])
+        _tie(starting[0], starting[2])
 
 
 @contextlib.contextmanager
@@ -317,11 +312,12 @@ def tied_workers(loader: Any) -> Iterator[None]:
         os.register_at_fork(after_in_child=_after_fork_child)
         _hooked = True
     method = _start_method(loader)
+    main = threading.current_thread() is threading.main_thread()
     init = loader.worker_init_fn
     if method != "fork":
-        loader.worker_init_fn = TieInit(init, os.getpid(), method == "spawn")
+        loader.worker_init_fn = TieInit(init, os.getpid() if method == "spawn" else None, main)
     previous = _starting
-    _starting = (os.getpid(), threading.get_ident(), threading.current_thread() is threading.main_thread())
+    _starting = (os.getpid(), threading.get_ident(), main)
     try:
         yield
     finally:
@@ -332,24 +328,23 @@ def tied_workers(loader: Any) -> Iterator[None]:
 
 def _start_method(loader: Any) -> str:
     ctx = getattr(loader, "multiprocessing_context", None)
-    if ctx is None:
-        return str(multiprocessing.get_start_method())
-    return str(ctx.get_start_method())
+    if ctx is not None:
+        return str(ctx.get_start_method())
+    # allow_none: asking must not fix the default (a later set_start_method would then fail);
+    # unset, the default is the platform's first method.
+    return str(multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0])
 
 
 class TieInit:
     """``worker_init_fn`` of a worker that was not forked by the trainer itself: tie it to
-    the trainer (``spawn``: its parent) before the user's own init runs. A ``forkserver``
-    worker's parent is the fork server, which ends when the trainer does; the worker is
-    tied to it and not checked against the trainer's pid."""
+    its parent before the user's own init runs. ``parent``: the trainer's pid (``spawn``),
+    checked; None for a ``forkserver`` worker, whose parent is the fork server (it ends
+    when the trainer does)."""
 
-    def __init__(self, inner: Callable[[int], Any] | None, parent: int, check: bool):
-        self.inner, self.parent, self.check = inner, parent, check
+    def __init__(self, inner: Callable[[int], Any] | None, parent: int | None, signal_ok: bool):
+        self.inner, self.parent, self.signal_ok = inner, parent, signal_ok
 
     def __call__(self, worker_id: int) -> None:
-        if _load_prctl() is not None:
-            _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if self.check and os.getppid() != self.parent:
-            os._exit(0)
+        _tie(self.parent, self.signal_ok)
         if self.inner is not None:
             self.inner(worker_id)
