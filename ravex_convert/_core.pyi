@@ -17,6 +17,10 @@ __all__ = [
     "CorruptSourceError",
     "DcpLayout",
     "InternalError",
+    "S3Bucket",
+    "S3Error",
+    "S3Object",
+    "S3Upload",
     "__version__",
     "checksum_ranges",
     "compare",
@@ -110,8 +114,8 @@ def plan_runs(
     """
 
 def execute(
-    sources: Sequence[str | bytes | memoryview],
-    targets: Sequence[str | bytearray | memoryview],
+    sources: Sequence[str | bytes | memoryview | S3Object],
+    targets: Sequence[str | bytearray | memoryview | S3Upload],
     tensors: Sequence[_Tensor],
     threads: int = 0,
     window_bytes: int = 67108864,
@@ -169,8 +173,8 @@ def execute(
     """
 
 def plan_summary(
-    sources: Sequence[str | bytes | memoryview],
-    targets: Sequence[str | bytearray | memoryview],
+    sources: Sequence[str | bytes | memoryview | S3Object],
+    targets: Sequence[str | bytearray | memoryview | S3Upload],
     tensors: Sequence[_Tensor],
     threads: int = 0,
     window_bytes: int = 67108864,
@@ -240,3 +244,78 @@ def compare(
     ``|a - b| <= atol + rtol * |b|``, NaN matches NaN and an infinity matches
     only itself. Integers and bools compare exactly in both modes.
     """
+
+class S3Error(OSError):
+    """A request to an S3-compatible store failed; the message never holds credentials."""
+
+    kind: Literal["not_found", "precondition", "denied", "no_bucket", "unreachable", "invalid", "other"]
+    url: str | None  # the s3:// URL of the object or prefix
+
+@final
+class S3Bucket:
+    """One bucket: a client and its connection pool. Unset fields come from the
+    ``AWS_*`` environment as the AWS tools read it; an ``http://`` endpoint is used as given."""
+
+    def __new__(
+        cls,
+        bucket: str,
+        *,
+        endpoint: str | None = None,
+        region: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        session_token: str | None = None,
+        virtual_hosted: bool = False,
+        part_size: int = 8388608,
+        max_in_flight: int = 8,
+        max_retries: int = 10,
+        retry_timeout_s: float = 180.0,
+        connect_timeout_s: float = 5.0,
+        request_timeout_s: float = 30.0,
+    ) -> S3Bucket: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def part_size(self) -> int: ...
+    def head(self, key: str) -> tuple[str, int, str] | None:
+        """``(key, size, etag)``, or None where no object has the key."""
+    def get(self, key: str) -> tuple[bytes, str]:
+        """A whole object and its ETag."""
+    def get_range(self, key: str, offset: int, length: int) -> bytes: ...
+    def list(self, prefix: str) -> list[tuple[str, int, str]]:
+        """Every object under ``prefix``, sorted by key."""
+    def list_dir(self, prefix: str) -> tuple[list[tuple[str, int, str]], list[str]]:
+        """The objects directly under ``prefix``, and the prefixes ("directories") there."""
+    def put(self, key: str, data: bytes, mode: Literal["overwrite", "create", "replace"] = "overwrite", etag: str | None = None) -> str:
+        """Write a whole object; "create": only where absent; "replace": only while its ETag is ``etag``."""
+    def delete(self, key: str) -> None: ...
+    def delete_if(self, key: str, etag: str) -> bool:
+        """Delete only while the ETag is ``etag`` (False: already gone)."""
+    def unfinished(self, prefix: str) -> list[tuple[str, str, str]]:
+        """Unfinished multipart uploads under ``prefix``: ``(key, upload_id, initiated)``."""
+    def abort_upload(self, key: str, upload_id: str) -> None: ...
+    def object(self, key: str, size: int) -> S3Object:
+        """A source :func:`execute` reads by range."""
+    def upload(self, key: str, size: int) -> S3Upload:
+        """A new object of ``size`` bytes, written by range and uploaded in parts as they fill."""
+
+@final
+class S3Object:
+    def __len__(self) -> int: ...
+    def read(self, offset: int, length: int) -> bytes: ...
+
+@final
+class S3Upload:
+    @property
+    def key(self) -> str: ...
+    @property
+    def upload_id(self) -> str | None: ...
+    @property
+    def part_size(self) -> int: ...
+    @property
+    def parts(self) -> int: ...
+    def __len__(self) -> int: ...
+    def pwrite(self, data: bytes, offset: int) -> None: ...
+    def close(self) -> str:
+        """Complete the object and return its ETag (aborted on failure)."""
+    def abort(self) -> None: ...

@@ -17,6 +17,7 @@ use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
+use crate::binding_s3::{inner_remote, s3_err, S3Object, S3Upload};
 use crate::checksum::{checksum_ranges as checksum_ranges_impl, xxh3_64_bytes, Algo};
 use crate::compare::{compare as compare_impl, Tolerance};
 use crate::compress;
@@ -211,6 +212,11 @@ fn py_err(e: Error) -> PyErr {
             action,
             path,
             source,
+        } if inner_remote(source).is_some() => s3_err(inner_remote(source).expect("checked")),
+        Error::Io {
+            action,
+            path,
+            source,
         } => match source.raw_os_error() {
             // OSError(errno, strerror, filename) picks the subclass
             // (FileNotFoundError, PermissionError, ...) from the errno.
@@ -291,7 +297,10 @@ fn held_buffers(items: &[Bound<'_, PyAny>]) -> PyResult<Vec<Option<PyBuffer<u8>>
         .iter()
         .enumerate()
         .map(|(i, x)| {
-            if x.is_instance_of::<PyBytes>() || x.extract::<PathBuf>().is_ok() {
+            if x.is_instance_of::<PyBytes>()
+                || x.is_instance_of::<S3Object>()
+                || x.extract::<PathBuf>().is_ok()
+            {
                 return Ok(None);
             }
             let what = format!("sources[{i}]");
@@ -331,6 +340,9 @@ fn sources_arg<'a>(
         .map(|(i, (x, buf))| {
             if let Some(buf) = buf {
                 return Ok(Source::Bytes(buffer_bytes(buf)));
+            }
+            if let Ok(obj) = x.cast::<S3Object>() {
+                return Ok(Source::Remote(obj.get().inner.clone()));
             }
             match x.cast::<PyBytes>() {
                 // bytes are immutable, so reading them without the GIL is safe.
@@ -415,7 +427,10 @@ fn held_targets(items: &[Bound<'_, PyAny>]) -> PyResult<Vec<Option<PyBuffer<u8>>
         .iter()
         .enumerate()
         .map(|(i, x)| {
-            if x.is_instance_of::<PyBytes>() || x.extract::<PathBuf>().is_ok() {
+            if x.is_instance_of::<PyBytes>()
+                || x.is_instance_of::<S3Upload>()
+                || x.extract::<PathBuf>().is_ok()
+            {
                 return Ok(None);
             }
             let what = format!("targets[{i}]");
@@ -453,7 +468,10 @@ fn targets_arg<'a>(
                     Memory::from_raw(buf.buf_ptr() as *mut u8, buf.len_bytes())
                 }))
             }
-            None => path_arg(x, &format!("targets[{i}]")).map(Target::Path),
+            None => match x.cast::<S3Upload>() {
+                Ok(up) => Ok(Target::Remote(std::sync::Arc::new(up.get().inner.clone()))),
+                Err(_) => path_arg(x, &format!("targets[{i}]")).map(Target::Path),
+            },
         })
         .collect()
 }
@@ -1015,5 +1033,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decompress_frame_to, m)?)?;
     m.add_function(wrap_pyfunction!(compare, m)?)?;
     m.add_class::<DcpLayout>()?;
+    crate::binding_s3::register(m)?;
     Ok(())
 }

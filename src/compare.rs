@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use crate::dtype::{value_f64, value_i128, DType};
 use crate::files::{
-    check_chunk, open_sources, source_name, ChunkAt, ChunkRef, Error, Side, Source,
+    check_chunk, open_sources, source_name, ChunkAt, ChunkRef, Error, Side, Source, SourceData,
 };
 use crate::geometry::Region;
 use crate::plan::{plan, Chunk, PlanError, SourcedRun};
@@ -91,7 +91,7 @@ pub fn compare(
         }
     }
     let data = open_sources(sources)?;
-    let sizes: Vec<u64> = data.iter().map(|d| d.bytes().len() as u64).collect();
+    let sizes: Vec<u64> = data.iter().map(SourceData::len).collect();
     let a_runs = whole_runs(shape, a, Side::A)?;
     let b_runs = whole_runs(shape, b, Side::B)?;
     for (side, chunks) in [(Side::A, a), (Side::B, b)] {
@@ -108,25 +108,27 @@ pub fn compare(
         }
     }
     let pieces = pair_runs(&a_runs, &b_runs);
-    let bytes = |c: &ChunkRef, elem: u64, len: u64| -> &[u8] {
+    // borrowed from a mapping, or fetched (one piece, at most PIECE_ELEMS elements) from a remote source
+    let bytes = |c: &ChunkRef, elem: u64, len: u64| {
         let size = c.dtype.size() as u64;
-        let start = (c.offset + elem * size) as usize;
-        &data[c.file].bytes()[start..start + (len * size) as usize]
+        data[c.file].range(c.offset + elem * size, len * size, || {
+            source_name(sources, c.file)
+        })
     };
-    Ok(pieces
+    pieces
         .par_iter()
         .map(|p| {
             let (ca, cb) = (&a[p.a], &b[p.b]);
-            compare_slices(
+            Ok(compare_slices(
                 ca.dtype,
-                bytes(ca, p.a_elem, p.len),
+                &bytes(ca, p.a_elem, p.len)?,
                 cb.dtype,
-                bytes(cb, p.b_elem, p.len),
+                &bytes(cb, p.b_elem, p.len)?,
                 p.global,
                 tol,
-            )
+            ))
         })
-        .reduce(|| Comparison::SAME, Comparison::merge))
+        .try_reduce(|| Comparison::SAME, |x, y| Ok(x.merge(y)))
 }
 
 /// Plans one side onto the whole tensor: runs sorted by global index,

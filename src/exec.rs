@@ -52,7 +52,7 @@ pub struct TensorJob {
 
 /// Everything one conversion moves: `ChunkRef::file` indexes `sources` for
 /// source chunks and `targets` for target chunks.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Job<'a> {
     pub sources: Vec<Source<'a>>,
     pub targets: Vec<Target<'a>>,
@@ -759,7 +759,7 @@ fn run(
         .collect();
     let direct_bytes = AtomicU64::new(0);
     let page_size = direct_align();
-    let source_sizes: Vec<u64> = sources.iter().map(|s| s.bytes().len() as u64).collect();
+    let source_sizes: Vec<u64> = sources.iter().map(SourceData::len).collect();
     let target_sizes: Vec<u64> = targets.iter().map(Opened::len).collect();
     let sizes = Sizes {
         sources: &source_sizes,
@@ -913,8 +913,10 @@ fn run_piece(
         })
     };
     // Validated against the sizes before the first piece ran.
-    let start = p.src_off as usize;
-    let src = &sources[p.src].bytes()[start..start + p.src_bytes() as usize];
+    let src = sources[p.src].range(p.src_off, p.src_bytes(), || {
+        source_name(&job.sources, p.src)
+    })?;
+    let src = &src[..];
     let record_crc = |crc: u32| record_crc(p, crcs, crc);
     let written = |len: u64| {
         if let Some(tx) = writeback {
@@ -1039,8 +1041,10 @@ fn run_piece_direct(
             e,
         )
     };
-    let start = p.src_off as usize;
-    let src = &sources[p.src].bytes()[start..start + p.src_bytes() as usize];
+    let src = sources[p.src].range(p.src_off, p.src_bytes(), || {
+        source_name(&job.sources, p.src)
+    })?;
+    let src = &src[..];
     let (from, to) = (p.from.size(), p.to.size());
     let total = p.dst_bytes() as usize;
     let align = page_size as u64;

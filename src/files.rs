@@ -9,11 +9,13 @@
 //! short of reading into our own buffers avoids that, and that costs the
 //! memory bound.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 use thiserror::Error;
@@ -22,13 +24,43 @@ use crate::dtype::{DType, DTypeError};
 use crate::geometry::Region;
 use crate::plan::PlanError;
 
+/// Bytes read by range from elsewhere (an object in a bucket): the executor
+/// fetches each piece's range into its own buffer.
+pub trait ReadAt: Send + Sync + fmt::Debug {
+    fn size(&self) -> u64;
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// How the source is named in messages (an `s3://` URL).
+    fn name(&self) -> String;
+}
+
+/// A target written by range elsewhere (a multipart upload): copy threads
+/// write disjoint ranges of it, in any order.
+pub trait WriteAt: Send + Sync + fmt::Debug {
+    fn size(&self) -> u64;
+    fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()>;
+    fn name(&self) -> String;
+}
+
 /// Where a source's bytes come from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Source<'a> {
     /// A file, mapped read-only.
     Path(PathBuf),
     /// Bytes the caller already holds (small tensors pickled inline).
     Bytes(&'a [u8]),
+    /// An object read by range.
+    Remote(Arc<dyn ReadAt>),
+}
+
+impl PartialEq for Source<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Source::Path(a), Source::Path(b)) => a == b,
+            (Source::Bytes(a), Source::Bytes(b)) => a == b,
+            (Source::Remote(a), Source::Remote(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
 }
 
 /// Which side of a copy, or of a comparison, a chunk is on.
@@ -145,6 +177,7 @@ pub(crate) enum SourceData<'a> {
     Bytes(&'a [u8]),
     /// An empty file: mapping zero bytes is an error on Linux.
     Empty,
+    Remote(Arc<dyn ReadAt>),
 }
 
 impl SourceData<'_> {
@@ -156,11 +189,45 @@ impl SourceData<'_> {
         }
     }
 
+    /// The bytes of a mapped or in-memory source (what `map_file` returns);
+    /// a remote source has none here: read it with [`SourceData::range`].
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             SourceData::Map(m, _) => m,
             SourceData::Bytes(b) => b,
-            SourceData::Empty => &[],
+            SourceData::Empty | SourceData::Remote(_) => &[],
+        }
+    }
+
+    pub(crate) fn len(&self) -> u64 {
+        match self {
+            SourceData::Map(m, _) => m.len() as u64,
+            SourceData::Bytes(b) => b.len() as u64,
+            SourceData::Empty => 0,
+            SourceData::Remote(r) => r.size(),
+        }
+    }
+
+    /// Bytes `start..start + len`, which the caller has checked lie inside the
+    /// source: borrowed where they are mapped or in memory, fetched where the
+    /// source is remote (`name`: how the source is named in the error).
+    pub(crate) fn range(
+        &self,
+        start: u64,
+        len: u64,
+        name: impl FnOnce() -> String,
+    ) -> Result<Cow<'_, [u8]>, Error> {
+        let (s, n) = (start as usize, len as usize);
+        match self {
+            SourceData::Map(m, _) => Ok(Cow::Borrowed(&m[s..s + n])),
+            SourceData::Bytes(b) => Ok(Cow::Borrowed(&b[s..s + n])),
+            SourceData::Empty => Ok(Cow::Borrowed(&[][s..s + n])),
+            SourceData::Remote(r) => {
+                let mut buf = vec![0u8; n];
+                r.read_exact_at(&mut buf, start)
+                    .map_err(|e| Error::io("cannot read source object", Path::new(&name()), e))?;
+                Ok(Cow::Owned(buf))
+            }
         }
     }
 }
@@ -193,6 +260,7 @@ pub(crate) fn open_sources<'a>(sources: &[Source<'a>]) -> Result<Vec<SourceData<
         .map(|s| match s {
             Source::Path(p) => map_file(p),
             Source::Bytes(b) => Ok(SourceData::Bytes(b)),
+            Source::Remote(r) => Ok(SourceData::Remote(r.clone())),
         })
         .collect()
 }
@@ -206,6 +274,7 @@ pub(crate) fn source_sizes(sources: &[Source<'_>]) -> Result<Vec<u64>, Error> {
                 .map(|m| m.len())
                 .map_err(|e| Error::io("cannot read the size of source file", p, e)),
             Source::Bytes(b) => Ok(b.len() as u64),
+            Source::Remote(r) => Ok(r.size()),
         })
         .collect()
 }
@@ -213,10 +282,12 @@ pub(crate) fn source_sizes(sources: &[Source<'_>]) -> Result<Vec<u64>, Error> {
 /// Where a target's bytes go: a file that exists at its final size, or
 /// memory the caller lends for the call (a live tensor's storage, a buffer
 /// an upload is made from).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Target<'a> {
     Path(PathBuf),
     Memory(Memory<'a>),
+    /// An object uploaded in parts.
+    Remote(Arc<dyn WriteAt>),
 }
 
 impl From<PathBuf> for Target<'_> {
@@ -231,6 +302,7 @@ impl Target<'_> {
         match self {
             Target::Path(p) => p.display().to_string(),
             Target::Memory(m) => format!("target {index} (an in-memory buffer of {} bytes)", m.len),
+            Target::Remote(r) => r.name(),
         }
     }
 }
@@ -298,6 +370,7 @@ impl<'a> Memory<'a> {
 pub(crate) enum Opened<'a> {
     File(File, u64),
     Memory(Memory<'a>),
+    Remote(Arc<dyn WriteAt>),
 }
 
 impl Opened<'_> {
@@ -305,13 +378,14 @@ impl Opened<'_> {
         match self {
             Opened::File(_, len) => *len,
             Opened::Memory(m) => m.len as u64,
+            Opened::Remote(r) => r.size(),
         }
     }
 
     pub(crate) fn file(&self) -> Option<&File> {
         match self {
             Opened::File(f, _) => Some(f),
-            Opened::Memory(_) => None,
+            Opened::Memory(_) | Opened::Remote(_) => None,
         }
     }
 
@@ -319,6 +393,7 @@ impl Opened<'_> {
         match self {
             Opened::File(f, _) => f.write_all_at(data, offset),
             Opened::Memory(m) => m.write_at(data, offset),
+            Opened::Remote(r) => r.write_all_at(data, offset),
         }
     }
 }
@@ -330,6 +405,7 @@ pub(crate) fn open_targets<'a>(targets: &[Target<'a>]) -> Result<Vec<Opened<'a>>
         .iter()
         .map(|t| match t {
             Target::Memory(m) => Ok(Opened::Memory(*m)),
+            Target::Remote(r) => Ok(Opened::Remote(r.clone())),
             Target::Path(p) => {
                 let file = OpenOptions::new()
                     .write(true)
@@ -350,6 +426,7 @@ pub(crate) fn source_name(sources: &[Source<'_>], index: usize) -> String {
     match &sources[index] {
         Source::Path(p) => p.display().to_string(),
         Source::Bytes(_) => format!("source {index} (an in-memory buffer)"),
+        Source::Remote(r) => r.name(),
     }
 }
 

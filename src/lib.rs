@@ -20,7 +20,10 @@ pub mod dtype;
 pub mod exec;
 pub mod files;
 pub mod geometry;
+pub mod parts;
 pub mod plan;
+#[cfg(feature = "remote")]
+pub mod remote;
 
 #[cfg(test)]
 mod exec_tests;
@@ -31,3 +34,5 @@ mod proptests;
 
 #[cfg(feature = "python")]
 mod binding;
+#[cfg(feature = "python")]
+mod binding_s3;
