@@ -10,6 +10,7 @@ own (a plan that does not tile, a bad argument built by the Python side)
 raises :class:`InternalError` (a ``RuntimeError``): a bug, not bad data.
 """
 
+import builtins
 from collections.abc import Sequence
 from typing import Any, Literal, TypeAlias, final
 
@@ -190,7 +191,7 @@ def plan_summary(
 def crc32_concat(parts: Sequence[tuple[int, int]]) -> int:
     """The CRC-32 of byte strings one after another, from each one's ``(crc, length)``."""
 
-def checksum_ranges(path: str, ranges: Sequence[tuple[int, int]], algo: Literal["xxh3-64", "crc32"]) -> list[int]:
+def checksum_ranges(path: str | S3Object, ranges: Sequence[tuple[int, int]], algo: Literal["xxh3-64", "crc32"]) -> list[int]:
     """The checksum of each ``(offset, length)`` byte range of the file, in order.
 
     ``"xxh3-64"`` is XXH3 64-bit with seed 0; ``"crc32"`` is the CRC-32 that
@@ -201,16 +202,16 @@ def checksum_ranges(path: str, ranges: Sequence[tuple[int, int]], algo: Literal[
 def xxh3_64(data: bytes | memoryview) -> int:
     """XXH3 64-bit (seed 0) of ``data`` (bytes or a C-contiguous byte buffer, unchanged during the call)."""
 
-def compress_range(path: str, offset: int, length: int, level: int = 3) -> bytes:
+def compress_range(path: str | S3Object, offset: int, length: int, level: int = 3) -> bytes:
     """``length`` bytes at ``offset`` of the file, compressed into one independent zstd frame."""
 
-def decompress_frame(path: str, offset: int, stored_len: int, expected_len: int) -> bytes:
+def decompress_frame(path: str | S3Object, offset: int, stored_len: int, expected_len: int) -> bytes:
     """The zstd frame of ``stored_len`` bytes at ``offset`` of the file, decompressed.
 
     Raises ``ValueError`` unless it decompresses to exactly ``expected_len`` bytes.
     """
 
-def decompress_frame_to(path: str, offset: int, stored_len: int, expected_len: int, dst: str | None = None) -> int:
+def decompress_frame_to(path: str | S3Object, offset: int, stored_len: int, expected_len: int, dst: str | None = None) -> int:
     """The zstd frame of ``stored_len`` bytes at ``offset`` of the file, decoded
     in pieces of 1 MiB into the existing file ``dst`` (truncated first), or only
     hashed when ``dst`` is None; returns the XXH3-64 of the decoded bytes.
@@ -222,7 +223,7 @@ def decompress_frame_to(path: str, offset: int, stored_len: int, expected_len: i
     """
 
 def compare(
-    sources: Sequence[str | bytes | memoryview],
+    sources: Sequence[str | bytes | memoryview | S3Object],
     shape: Sequence[int],
     a_chunks: Sequence[_FileChunk],
     b_chunks: Sequence[_FileChunk],
@@ -284,14 +285,14 @@ class S3Bucket:
     def get_range(self, key: str, offset: int, length: int) -> bytes: ...
     def list(self, prefix: str) -> list[tuple[str, int, str]]:
         """Every object under ``prefix``, sorted by key."""
-    def list_dir(self, prefix: str) -> tuple[list[tuple[str, int, str]], list[str]]:
+    def list_dir(self, prefix: str) -> tuple[builtins.list[tuple[str, int, str]], builtins.list[str]]:
         """The objects directly under ``prefix``, and the prefixes ("directories") there."""
     def put(self, key: str, data: bytes, mode: Literal["overwrite", "create", "replace"] = "overwrite", etag: str | None = None) -> str:
         """Write a whole object; "create": only where absent; "replace": only while its ETag is ``etag``."""
     def delete(self, key: str) -> None: ...
     def delete_if(self, key: str, etag: str) -> bool:
         """Delete only while the ETag is ``etag`` (False: already gone)."""
-    def unfinished(self, prefix: str) -> list[tuple[str, str, str]]:
+    def unfinished(self, prefix: str) -> builtins.list[tuple[str, str, str]]:
         """Unfinished multipart uploads under ``prefix``: ``(key, upload_id, initiated)``."""
     def abort_upload(self, key: str, upload_id: str) -> None: ...
     def object(self, key: str, size: int) -> S3Object:

@@ -13,13 +13,13 @@ import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import _core
 from ._output import direct_io, durable, fsync_dir
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from .model import Box, Chunk, Flat, LogicalTensor, Region, itemsize
+from .storage import core_source, open_read
 
 __all__ = ["PAGE", "CopyJob", "SourceTable", "Target", "chunk_bytes", "flat_range", "page_residue", "read_into", "read_many", "source_bytes", "vote_residue"]
 
@@ -30,7 +30,7 @@ def source_bytes(chunk: Chunk) -> bytes | memoryview | None:
         return chunk.data
     if chunk.compression == "zstd":
         assert chunk.file is not None and chunk.stored_nbytes is not None
-        return bytes(_core.decompress_frame(str(chunk.file), chunk.offset, chunk.stored_nbytes, chunk.nbytes))
+        return bytes(_core.decompress_frame(core_source(chunk.file), chunk.offset, chunk.stored_nbytes, chunk.nbytes))
     return None
 
 
@@ -42,7 +42,7 @@ def chunk_bytes(chunk: Chunk) -> bytes | memoryview:
         return data
     if chunk.file is None:
         raise RavexError("a chunk has neither a file nor data")
-    with open(chunk.file, "rb") as f:
+    with open_read(chunk.file) as f:
         f.seek(chunk.offset)
         return f.read(chunk.nbytes)
 
@@ -72,7 +72,7 @@ class SourceTable:
     the batch that reads it runs (:meth:`decode`, :meth:`release`), so neither
     memory nor temporary disk grows with the checkpoint."""
 
-    sources: list[str | bytes | memoryview] = field(default_factory=list)
+    sources: list[Any] = field(default_factory=list)  # paths, bytes, or objects in a bucket (_core.S3Object)
     _paths: dict[str, int] = field(default_factory=dict)
     defer: bool = False
     _zstd: dict[int, Chunk] = field(default_factory=dict)  # source index -> its compressed chunk
@@ -100,7 +100,7 @@ class SourceTable:
             if not c.file.is_file():
                 raise IncompleteCheckpointError(f"{c.file}: missing", hint="copy the whole checkpoint", path=c.file)
             listed = self._paths[key] = len(self.sources)
-            self.sources.append(key)
+            self.sources.append(core_source(c.file))
         return (listed, c.offset, c.region.to_core(), c.dtype)
 
     @property
@@ -123,7 +123,7 @@ class SourceTable:
             decoded: str | bytes
             try:
                 if c.nbytes <= INLINE_ZSTD_BYTES:
-                    raw = _core.decompress_frame(str(c.file), c.offset, c.stored_nbytes, c.nbytes)
+                    raw = _core.decompress_frame(core_source(c.file), c.offset, c.stored_nbytes, c.nbytes)
                     h, decoded = _core.xxh3_64(raw), raw
                 else:
                     if self._spill is None:
@@ -132,7 +132,7 @@ class SourceTable:
                     spilled = os.path.join(self._spill, f"{i}.raw")
                     with open(spilled, "wb"):
                         pass
-                    h, decoded = _core.decompress_frame_to(str(c.file), c.offset, c.stored_nbytes, c.nbytes, spilled), spilled
+                    h, decoded = _core.decompress_frame_to(core_source(c.file), c.offset, c.stored_nbytes, c.nbytes, spilled), spilled
             except ValueError as exc:
                 raise CorruptCheckpointError(f"{c.file}: {str(exc).split(chr(10))[0]}",
                                              hint="the file is damaged; restore it from a copy", path=c.file) from None
@@ -157,7 +157,7 @@ class SourceTable:
 @dataclass
 class CopyJob:
     table: SourceTable = field(default_factory=lambda: SourceTable(defer=True))
-    targets: list[str | bytearray | memoryview] = field(default_factory=list)  # files, or memory (a live tensor's bytes)
+    targets: list[Any] = field(default_factory=list)  # files, memory (a live tensor's bytes), or uploads
     tensors: list[tuple[list[int], list[tuple[Any, ...]], list[tuple[Any, ...]]]] = field(default_factory=list)
     crcs: list[int] = field(default_factory=list)  # of crc_ranges, after run()
     read_crcs: list[tuple[int, int, int, int]] = field(default_factory=list)  # run(read_crcs=True): (source, offset, length, crc)
@@ -165,12 +165,13 @@ class CopyJob:
     names: list[str] = field(default_factory=list)  # each tensor's logical name, for messages
 
     @property
-    def sources(self) -> list[str | bytes | memoryview]:
+    def sources(self) -> list[Any]:
         return self.table.sources
 
-    def target(self, where: Path | bytearray | memoryview) -> int:
-        """A target: a file that exists at its final size, or writable memory (C-contiguous bytes)."""
-        self.targets.append(where if isinstance(where, (bytearray, memoryview)) else str(where))
+    def target(self, where: Any) -> int:
+        """A target: a file that exists at its final size (a path), writable memory (C-contiguous
+        bytes), or an object being uploaded (``_core.S3Upload``)."""
+        self.targets.append(where if isinstance(where, (bytearray, memoryview, _core.S3Upload)) else str(where))
         return len(self.targets) - 1
 
     def add(self, tensor: LogicalTensor, targets: list[Target]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from .errors import CorruptCheckpointError, LayoutMismatchError, RavexError
 from .formats import registry
 from .formats.options import WriteOptions, either
 from .model import MODEL, OBJ, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
+from .storage import as_path, is_remote
 from .ties import apply_ties
 from .ties import materialize as materialize_ties_in
 
@@ -194,7 +195,7 @@ def convert(
             _verify_chunks(ckpt, [n for n in ckpt.tensors if not opts.weights_only or n.startswith(MODEL)])
         dropped = left_out(src, ckpt, opts, to)
         notes = chosen + list(ckpt.notes) + [_drop_note(d) for d in dropped]
-        dst = Path(dst)
+        dst = as_path(dst)
         if o.dry_run:
             try:
                 summary = plan(out, opts)
@@ -313,7 +314,7 @@ def left_out(src: str | Path, ckpt: Checkpoint, opts: Options, to: str) -> list[
     unchecked where the directory could not be listed against the checkpoint),
     ``reason``, and ``count`` where it counts things."""
     out: list[dict[str, Any]] = []
-    root = Path(src)
+    root = as_path(src)
     if root.is_dir():
         out += _unread_files(root, ckpt)
     if opts.weights_only:
@@ -351,7 +352,7 @@ def _unread_files(root: Path, ckpt: Checkpoint) -> list[dict[str, Any]]:
     except Exception as exc:  # noqa: BLE001 - the reader took the checkpoint; this listing must not fail the conversion
         why = exc.message if isinstance(exc, RavexError) else f"{type(exc).__name__}: {exc}"
         return [{"what": f"{root}/", "kind": "unchecked", "reason": f"could not tell which of its files the checkpoint leaves aside ({why})"}]
-    base = Path(info.path)
+    base = as_path(info.path)
     taken = {_key(base / f.path) for f in info.files}
     taken |= {_key(root / f.path) for f in info.files}
     taken |= {_key(c.file) for t in ckpt.tensors.values() for c in t.chunks if c.file is not None}
@@ -359,8 +360,7 @@ def _unread_files(root: Path, ckpt: Checkpoint) -> list[dict[str, Any]]:
     # directory -> (files under it, of which not taken), without following links out of the tree
     unread: dict[Path, list[Path]] = {}
     total: dict[Path, int] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        d = Path(dirpath)
+    for d, dirnames, filenames in _walk(root):
         dirnames.sort()
         for name in sorted(filenames):
             f = d / name
@@ -397,8 +397,22 @@ def _unread_files(root: Path, ckpt: Checkpoint) -> list[dict[str, Any]]:
     return entries
 
 
+def _walk(root: Path) -> Iterator[tuple[Path, list[str], list[str]]]:
+    """``os.walk`` of a directory, or of the objects under a prefix of a bucket."""
+    if not is_remote(root):
+        for dirpath, dirnames, filenames in os.walk(root):
+            yield Path(dirpath), dirnames, filenames
+        return
+    by_dir: dict[Path, list[str]] = {}
+    for p in root.rglob("*"):
+        if p.is_file():
+            by_dir.setdefault(p.parent, []).append(p.name)
+    for d in sorted(by_dir, key=str):
+        yield d, [], by_dir[d]
+
+
 def _key(p: Path) -> str:
-    return os.path.realpath(p)
+    return str(p) if is_remote(p) else os.path.realpath(p)
 
 
 def reshard(src: str | Path, dst: str | Path, world_size: int, options: ConvertOptions | None = None, *,

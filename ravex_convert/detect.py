@@ -16,7 +16,7 @@ from .errors import NotFoundError, RavexError, UnknownFormatError, from_os_error
 from .formats import registry
 from .info import CheckpointInfo
 from .model import Checkpoint
-from .storage import local_view
+from .storage import local_view, open_read
 
 __all__ = ["Detection", "detect", "inspect", "read_checkpoint"]
 
@@ -82,7 +82,7 @@ def _readable(p: Path) -> None:
     files = [p] if not p.is_dir() else sorted(e for e in p.iterdir() if e.is_file())
     for f in files:
         try:
-            with open(f, "rb") as fh:
+            with open_read(f) as fh:
                 fh.read(1)
         except OSError as exc:
             raise from_os_error(exc, path=f) from None

@@ -49,7 +49,7 @@ class OutFile:
     # Called with the copied bytes' local file, the output (to open further sinks) and the
     # xxh3-64 of each of ``hash_ranges`` (None where the copy could not hash it) before the sink
     # closes; what it returns reaches the coordinator's ``commit`` under ``rel``.
-    seal: Callable[[Path, Any, list[int | None]], Any] | None = None
+    seal: Callable[[Path | None, Any, list[int | None]], Any] | None = None
     hash_ranges: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) whose xxh3-64 ``seal`` needs
     # The rank that must write this file (it alone holds the bytes), else any: see assign().
     rank: int | None = None
@@ -101,7 +101,7 @@ def assign(files: list[OutFile], ranks: int) -> list[int]:
     return owner
 
 
-def copy_job(files: list[OutFile], paths: list[Path]) -> tuple[CopyJob, list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+def copy_job(files: list[OutFile], paths: list[Any]) -> tuple[CopyJob, list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """The one executor job that fills ``files`` (written at ``paths``), each tensor
     added once with all its destinations, and the (target, offset, length) ranges
     whose CRC-32 the files' late records need and whose xxh3-64 their seals need."""
@@ -134,7 +134,7 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, thre
             sinks.append(sink)
             for offset, data in f.small:
                 sink.pwrite(data, offset)
-        job, crc_ranges, hash_ranges = copy_job(mine, [s.path for s in sinks])
+        job, crc_ranges, hash_ranges = copy_job(mine, [s.target for s in sinks])
         deferred = deferring()  # a conversion: the sources' CRC-32s are checked from this copy's reads
         # Durable files go around the page cache (O_DIRECT), but not where the copy is read back
         # before its sink closes (compression's scratch file; a spool uploaded on close): those

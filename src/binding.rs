@@ -18,7 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::binding_s3::{inner_remote, s3_err, S3Object, S3Upload};
-use crate::checksum::{checksum_ranges as checksum_ranges_impl, xxh3_64_bytes, Algo};
+use crate::checksum::{checksum_ranges_of as checksum_ranges_impl, xxh3_64_bytes, Algo};
 use crate::compare::{compare as compare_impl, Tolerance};
 use crate::compress;
 use crate::dcp::{self, Item, Leaf, LeafKind, PathItem};
@@ -267,6 +267,14 @@ fn path_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<PathBuf> {
     obj.extract::<PathBuf>().map_err(|_| {
         PyValueError::new_err(format!("{what} must be a path (str), got {}", show(obj)))
     })
+}
+
+/// One source named by a path (str) or an `S3Object`.
+fn source_one(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Source<'static>> {
+    if let Ok(o) = obj.cast::<S3Object>() {
+        return Ok(Source::Remote(o.get().inner.clone()));
+    }
+    path_arg(obj, what).map(Source::Path)
 }
 
 fn list<'py>(obj: &Bound<'py, PyAny>, what: At<'_>, of: &str) -> PyResult<Vec<Bound<'py, PyAny>>> {
@@ -674,7 +682,7 @@ fn checksum_ranges(
     ranges: &Bound<'_, PyAny>,
     algo: &str,
 ) -> PyResult<Vec<u64>> {
-    let path = path_arg(path, "path")?;
+    let source = source_one(path, "path")?;
     let ranges = list(ranges, At::Arg("ranges"), "(offset, length) tuples")?
         .iter()
         .enumerate()
@@ -694,7 +702,7 @@ fn checksum_ranges(
         })
         .collect::<PyResult<Vec<_>>>()?;
     let algo: Algo = algo.parse().map_err(py_err)?;
-    py.detach(|| checksum_ranges_impl(&path, &ranges, algo))
+    py.detach(|| checksum_ranges_impl(&source, &ranges, algo))
         .map_err(py_err)
 }
 
@@ -726,11 +734,11 @@ fn compress_range<'py>(
     length: i64,
     level: i32,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let path = path_arg(path, "path")?;
+    let source = source_one(path, "path")?;
     let offset = checked(offset, "offset")?;
     let length = checked(length, "length")?;
     let frame = py
-        .detach(|| compress::compress_range(&path, offset, length, level))
+        .detach(|| compress::compress_range_of(&source, offset, length, level))
         .map_err(py_err)?;
     Ok(PyBytes::new(py, &frame))
 }
@@ -745,12 +753,16 @@ fn decompress_frame<'py>(
     stored_len: i64,
     expected_len: i64,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let path = path_arg(path, "path")?;
+    let source = source_one(path, "path")?;
     let offset = checked(offset, "offset")?;
     let stored_len = checked(stored_len, "stored_len")?;
     let expected_len = checked(expected_len, "expected_len")?;
     let data = py
-        .detach(|| compress::decompress_frame(&path, offset, stored_len, expected_len))
+        .detach(|| {
+            let mut out = Vec::new();
+            compress::decompress_frame_into_of(&source, offset, stored_len, expected_len, &mut out)
+                .map(|_| out)
+        })
         .map_err(py_err)?;
     Ok(PyBytes::new(py, &data))
 }
@@ -768,15 +780,15 @@ fn decompress_frame_to(
     expected_len: i64,
     dst: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
-    let path = path_arg(path, "path")?;
+    let source = source_one(path, "path")?;
     let offset = checked(offset, "offset")?;
     let stored_len = checked(stored_len, "stored_len")?;
     let expected_len = checked(expected_len, "expected_len")?;
     let dst = dst.map(|d| path_arg(d, "dst")).transpose()?;
     py.detach(|| -> Result<u64, Error> {
         match &dst {
-            None => compress::decompress_frame_into(
-                &path,
+            None => compress::decompress_frame_into_of(
+                &source,
                 offset,
                 stored_len,
                 expected_len,
@@ -789,8 +801,8 @@ fn decompress_frame_to(
                     .open(d)
                     .map_err(|e| Error::io("cannot open", d, e))?;
                 let mut out = std::io::BufWriter::new(file);
-                let h = compress::decompress_frame_into(
-                    &path,
+                let h = compress::decompress_frame_into_of(
+                    &source,
                     offset,
                     stored_len,
                     expected_len,

@@ -173,10 +173,12 @@ impl S3Bucket {
             ("overwrite", None) => Mode::Overwrite,
             ("create", None) => Mode::Create,
             ("replace", Some(e)) => Mode::Replace(e),
-            (m, e) => return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            (m, e) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "mode {m:?} with etag {:?}: use 'overwrite', 'create', or 'replace' with an etag",
                 e.is_some()
-            ))),
+            )))
+            }
         };
         py.detach(|| self.inner.put(&key, Bytes::from(data), mode))
             .map_err(|e| s3_err(&e))
@@ -270,7 +272,7 @@ impl S3Upload {
 
     #[getter]
     fn upload_id(&self) -> Option<String> {
-        self.inner.upload_id().map(str::to_string)
+        self.inner.upload_id()
     }
 
     #[getter]

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use rayon::prelude::*;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::files::{check_range, map_file, Error};
+use crate::files::{check_range, label, open_source, Error, Source, SourceData};
 
 /// A checksum algorithm, by the name the Python side uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,13 +50,52 @@ pub fn xxh3_64_bytes(data: &[u8]) -> u64 {
 /// are hashed in parallel. Every range is checked against the file's size
 /// before any is read.
 pub fn checksum_ranges(path: &Path, ranges: &[(u64, u64)], algo: Algo) -> Result<Vec<u64>, Error> {
-    let data = map_file(path)?;
-    let bytes = data.bytes();
-    let slices = ranges
+    checksum_ranges_of(&Source::Path(path.to_path_buf()), ranges, algo)
+}
+
+/// Bytes hashed per step of a remote source.
+const REMOTE_STEP: u64 = 8 << 20;
+
+/// [`checksum_ranges`] of any source: a remote one is read in steps of
+/// `REMOTE_STEP` bytes, so memory stays flat in the range's length.
+pub fn checksum_ranges_of(
+    source: &Source<'_>,
+    ranges: &[(u64, u64)],
+    algo: Algo,
+) -> Result<Vec<u64>, Error> {
+    let data = open_source(source)?;
+    let name = label(source);
+    let checked = ranges
         .iter()
-        .map(|&(offset, len)| check_range(path, bytes.len() as u64, offset, len))
+        .map(|&(offset, len)| check_range(&name, data.len(), offset, len))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(slices.into_par_iter().map(|r| algo.of(&bytes[r])).collect())
+    if let SourceData::Remote(_) = &data {
+        return checked
+            .into_par_iter()
+            .map(|r| {
+                let (mut crc, mut xxh) = (crc32fast::Hasher::new(), xxhash_rust::xxh3::Xxh3::new());
+                let mut at = r.start as u64;
+                while at < r.end as u64 {
+                    let n = REMOTE_STEP.min(r.end as u64 - at);
+                    let piece = data.range(at, n, || name.display().to_string())?;
+                    match algo {
+                        Algo::Crc32 => crc.update(&piece),
+                        Algo::Xxh3_64 => xxh.update(&piece),
+                    }
+                    at += n;
+                }
+                Ok(match algo {
+                    Algo::Crc32 => u64::from(crc.finalize()),
+                    Algo::Xxh3_64 => xxh.digest(),
+                })
+            })
+            .collect();
+    }
+    let bytes = data.bytes();
+    Ok(checked
+        .into_par_iter()
+        .map(|r| algo.of(&bytes[r]))
+        .collect())
 }
 
 #[cfg(test)]

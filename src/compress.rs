@@ -14,7 +14,7 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::files::{check_range, map_file, Error};
+use crate::files::{check_range, label, open_source, Error, Source};
 
 /// How much is decoded at a time.
 const PIECE: usize = 1 << 20;
@@ -22,6 +22,17 @@ const PIECE: usize = 1 << 20;
 /// Compresses `len` bytes at `offset` of the file into one zstd frame (with
 /// its content size recorded) at `level`.
 pub fn compress_range(path: &Path, offset: u64, len: u64, level: i32) -> Result<Vec<u8>, Error> {
+    compress_range_of(&Source::Path(path.to_path_buf()), offset, len, level)
+}
+
+/// [`compress_range`] of any source.
+pub fn compress_range_of(
+    source: &Source<'_>,
+    offset: u64,
+    len: u64,
+    level: i32,
+) -> Result<Vec<u8>, Error> {
+    let path = &label(source);
     let levels = zstd::compression_level_range();
     if !levels.contains(&level) {
         return Err(Error::Invalid(format!(
@@ -30,9 +41,10 @@ pub fn compress_range(path: &Path, offset: u64, len: u64, level: i32) -> Result<
             levels.end()
         )));
     }
-    let data = map_file(path)?;
-    let range = check_range(path, data.bytes().len() as u64, offset, len)?;
-    zstd::bulk::compress(&data.bytes()[range], level)
+    let data = open_source(source)?;
+    check_range(path, data.len(), offset, len)?;
+    let bytes = data.range(offset, len, || path.display().to_string())?;
+    zstd::bulk::compress(&bytes, level)
         .map_err(|e| Error::io("cannot zstd-compress a range of", path, e))
 }
 
@@ -61,9 +73,24 @@ pub fn decompress_frame_into<W: Write>(
     expected_len: u64,
     sink: &mut W,
 ) -> Result<u64, Error> {
-    let data = map_file(path)?;
-    let range = check_range(path, data.bytes().len() as u64, offset, stored_len)?;
-    let src = &data.bytes()[range];
+    let source = Source::Path(path.to_path_buf());
+    decompress_frame_into_of(&source, offset, stored_len, expected_len, sink)
+}
+
+/// [`decompress_frame_into`] of any source (a remote frame is fetched whole:
+/// memory is the frame's stored size).
+pub fn decompress_frame_into_of<W: Write>(
+    source: &Source<'_>,
+    offset: u64,
+    stored_len: u64,
+    expected_len: u64,
+    sink: &mut W,
+) -> Result<u64, Error> {
+    let path = &label(source);
+    let data = open_source(source)?;
+    check_range(path, data.len(), offset, stored_len)?;
+    let src = data.range(offset, stored_len, || path.display().to_string())?;
+    let src = &src[..];
     let corrupt = |what: String| {
         Error::Corrupt(format!(
             "{}: the zstd frame at byte {offset} ({stored_len} bytes) {what}\n\

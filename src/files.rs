@@ -253,16 +253,27 @@ pub(crate) fn map_file(path: &Path) -> Result<SourceData<'static>, Error> {
     Ok(SourceData::Map(map, file))
 }
 
+/// Opens one source for reading: a file is mapped, a buffer borrowed.
+pub(crate) fn open_source<'a>(source: &Source<'a>) -> Result<SourceData<'a>, Error> {
+    match source {
+        Source::Path(p) => map_file(p),
+        Source::Bytes(b) => Ok(SourceData::Bytes(b)),
+        Source::Remote(r) => Ok(SourceData::Remote(r.clone())),
+    }
+}
+
+/// How one source is named in messages (its path or URL).
+pub(crate) fn label(source: &Source<'_>) -> PathBuf {
+    match source {
+        Source::Path(p) => p.clone(),
+        Source::Bytes(_) => PathBuf::from("an in-memory buffer"),
+        Source::Remote(r) => PathBuf::from(r.name()),
+    }
+}
+
 /// Opens every source: files are mapped, buffers borrowed.
 pub(crate) fn open_sources<'a>(sources: &[Source<'a>]) -> Result<Vec<SourceData<'a>>, Error> {
-    sources
-        .iter()
-        .map(|s| match s {
-            Source::Path(p) => map_file(p),
-            Source::Bytes(b) => Ok(SourceData::Bytes(b)),
-            Source::Remote(r) => Ok(SourceData::Remote(r.clone())),
-        })
-        .collect()
+    sources.iter().map(open_source).collect()
 }
 
 /// The size of each source without mapping it (for plans that move nothing).

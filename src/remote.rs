@@ -865,9 +865,14 @@ struct PartBuf {
 
 #[derive(Default)]
 struct UpState {
+    /// The multipart upload, begun when the first part is ready to go up
+    /// (an object of one part is one PUT and never has one).
+    id: Option<MultipartId>,
     open: HashMap<usize, PartBuf>,
-    sent: Vec<bool>,
-    done: Vec<Option<PartId>>,
+    sent: std::collections::HashSet<usize>,
+    done: HashMap<usize, PartId>,
+    /// One past the last byte written.
+    end: u64,
     in_flight: usize,
     error: Option<RemoteError>,
     finished: bool,
@@ -878,13 +883,14 @@ struct Shared {
     key: String,
     path: Key,
     plan: PartPlan,
-    /// The multipart upload, for objects of more than one part.
-    upload_id: Option<MultipartId>,
     state: Mutex<UpState>,
     changed: Condvar,
 }
 
-/// A new object written by range and uploaded in parts as they fill.
+/// A new object written by range and uploaded in parts as they fill. Writes
+/// may reach past the size it was begun with (a zip's central directory, a
+/// compressed file whose size is known at its end): the object is as long as
+/// its furthest write, and the part size stays the one its first size chose.
 #[derive(Clone)]
 pub struct Upload(Arc<Shared>);
 
@@ -895,8 +901,7 @@ impl fmt::Debug for Upload {
 }
 
 impl Upload {
-    /// Begins object `key` of `size` bytes (a multipart upload where it has
-    /// more than one part).
+    /// Begins object `key`, expected to be `size` bytes long.
     pub fn new(bucket: Arc<Bucket>, key: &str, size: u64) -> Result<Upload> {
         let path = bucket.key(key)?;
         let plan = PartPlan::new(size, bucket.part_size()).map_err(|detail| RemoteError {
@@ -904,27 +909,12 @@ impl Upload {
             url: bucket.url(key),
             detail,
         })?;
-        let upload_id = if plan.multipart() {
-            let store = bucket.store()?;
-            Some(
-                block_on(store.create_multipart(&path))
-                    .map_err(|e| bucket.error(&bucket.url(key), e))?,
-            )
-        } else {
-            None
-        };
-        let n = plan.parts();
         Ok(Upload(Arc::new(Shared {
             bucket,
             key: key.to_string(),
             path,
             plan,
-            upload_id,
-            state: Mutex::new(UpState {
-                sent: vec![false; n],
-                done: vec![None; n],
-                ..UpState::default()
-            }),
+            state: Mutex::new(UpState::default()),
             changed: Condvar::new(),
         })))
     }
@@ -933,8 +923,9 @@ impl Upload {
         &self.0.key
     }
 
-    pub fn upload_id(&self) -> Option<&str> {
-        self.0.upload_id.as_deref()
+    /// The multipart upload's id, once one is begun.
+    pub fn upload_id(&self) -> Option<String> {
+        self.lock().id.clone()
     }
 
     pub fn plan(&self) -> PartPlan {
@@ -957,77 +948,101 @@ impl Upload {
         }
     }
 
+    fn invalid(&self, detail: String) -> RemoteError {
+        RemoteError {
+            kind: Kind::Invalid,
+            url: self.name(),
+            detail,
+        }
+    }
+
     /// Copies `data` to byte `offset`; a part that fills goes up at once.
     pub fn write(&self, data: &[u8], offset: u64) -> Result<()> {
-        let plan = self.0.plan;
-        if offset
-            .checked_add(data.len() as u64)
-            .is_none_or(|e| e > plan.size)
-        {
-            return Err(RemoteError {
-                kind: Kind::Invalid,
-                url: self.name(),
-                detail: format!(
-                    "a write of {} bytes at {offset} reaches past the object's {} bytes",
-                    data.len(),
-                    plan.size
-                ),
-            });
+        let ps = self.0.plan.part_size;
+        let end = offset.checked_add(data.len() as u64);
+        if end.is_none_or(|e| e.div_ceil(ps) > crate::parts::MAX_PARTS) {
+            return Err(self.invalid(format!(
+                "a write of {} bytes at {offset} makes the object longer than 10,000 parts of {ps} bytes",
+                data.len()
+            )));
         }
         let mut done = 0usize;
         while done < data.len() {
             let at = offset + done as u64;
-            let part = plan.part_of(at);
-            let range = plan.range(part);
-            let n = ((range.end - at) as usize).min(data.len() - done);
+            let part = (at / ps) as usize;
+            let start = part as u64 * ps;
+            let n = ((start + ps - at) as usize).min(data.len() - done);
             let full = {
                 let mut st = self.lock();
                 self.failed(&st)?;
-                if st.sent[part] {
-                    return Err(RemoteError {
-                        kind: Kind::Invalid,
-                        url: self.name(),
-                        detail: format!("bytes {at}.. are written after their part went up (each byte is written once)"),
-                    });
+                if st.sent.contains(&part) {
+                    return Err(self.invalid(format!(
+                        "bytes {at}.. are written after their part went up (each byte is written once)"
+                    )));
                 }
+                st.end = st.end.max(at + n as u64);
                 let buf = st.open.entry(part).or_insert_with(|| PartBuf {
-                    data: vec![0; (range.end - range.start) as usize],
+                    data: Vec::new(),
                     filled: 0,
                 });
-                let from = (at - range.start) as usize;
+                let from = (at - start) as usize;
+                if buf.data.len() < from + n {
+                    buf.data.resize(from + n, 0);
+                }
                 buf.data[from..from + n].copy_from_slice(&data[done..done + n]);
                 buf.filled += n as u64;
-                if buf.filled >= range.end - range.start && self.0.upload_id.is_some() {
-                    st.sent[part] = true;
+                if buf.filled >= ps {
+                    st.sent.insert(part);
                     st.open.remove(&part).map(|b| b.data)
                 } else {
                     None
                 }
             };
             if let Some(bytes) = full {
-                self.send(part, bytes);
+                self.send(part, bytes)?;
             }
             done += n;
         }
         Ok(())
     }
 
+    /// The multipart upload, begun now if it is not yet.
+    fn multipart_id(&self) -> Result<MultipartId> {
+        if let Some(id) = self.lock().id.clone() {
+            return Ok(id);
+        }
+        let bucket = &self.0.bucket;
+        let store = bucket.store()?;
+        let id = block_on(store.create_multipart(&self.0.path))
+            .map_err(|e| bucket.error(&self.name(), e))?;
+        let mut st = self.lock();
+        match st.id.clone() {
+            Some(first) => {
+                // another thread began one meanwhile: keep theirs, drop ours
+                drop(st);
+                let _ = bucket.abort_upload(&self.0.key, &id);
+                Ok(first)
+            }
+            None => {
+                st.id = Some(id.clone());
+                Ok(id)
+            }
+        }
+    }
+
     /// Uploads part `part` in the background, once a slot is free.
-    fn send(&self, part: usize, bytes: Vec<u8>) {
-        let shared = self.0.clone();
-        shared.bucket.take_slot();
-        self.lock().in_flight += 1;
-        let id = shared.upload_id.clone().unwrap_or_default();
-        let store = match shared.bucket.store() {
-            Ok(s) => s,
+    fn send(&self, part: usize, bytes: Vec<u8>) -> Result<()> {
+        let id = match self.multipart_id() {
+            Ok(id) => id,
             Err(e) => {
-                let mut st = self.lock();
-                st.in_flight -= 1;
-                st.error.get_or_insert(e);
-                shared.bucket.free_slot();
-                return;
+                self.lock().error.get_or_insert(e.clone());
+                return Err(e);
             }
         };
+        let shared = self.0.clone();
+        let store = shared.bucket.store()?;
+        shared.bucket.take_slot();
+        self.lock().in_flight += 1;
         runtime().spawn(async move {
             let r = store
                 .put_part(
@@ -1040,7 +1055,9 @@ impl Upload {
             let mut st = shared.state.lock().unwrap_or_else(|e| e.into_inner());
             st.in_flight -= 1;
             match r {
-                Ok(pid) => st.done[part] = Some(pid),
+                Ok(pid) => {
+                    st.done.insert(part, pid);
+                }
                 Err(e) => {
                     let err = shared.bucket.error(&shared.bucket.url(&shared.key), e);
                     st.error.get_or_insert(err);
@@ -1050,6 +1067,7 @@ impl Upload {
             shared.bucket.free_slot();
             shared.changed.notify_all();
         });
+        Ok(())
     }
 
     fn wait_idle(&self) -> MutexGuard<'_, UpState> {
@@ -1072,65 +1090,59 @@ impl Upload {
     }
 
     fn finish(&self) -> Result<String> {
-        let plan = self.0.plan;
+        let ps = self.0.plan.part_size;
         let bucket = &self.0.bucket;
-        let url = self.name();
-        if self.0.upload_id.is_none() {
+        let (size, parts, single) = {
+            let mut st = self.wait_idle();
+            self.failed(&st)?;
+            let size = st.end.max(self.0.plan.size);
+            let parts = size.div_ceil(ps).max(1) as usize;
+            let single = if parts == 1 && st.id.is_none() {
+                st.finished = true;
+                let mut data = st.open.remove(&0).map(|b| b.data).unwrap_or_default();
+                data.resize(size as usize, 0);
+                Some(data)
+            } else {
+                None
+            };
+            (size, parts, single)
+        };
+        if let Some(data) = single {
+            return bucket.put(&self.0.key, Bytes::from(data), Mode::Overwrite);
+        }
+        for part in 0..parts {
             let data = {
                 let mut st = self.lock();
                 self.failed(&st)?;
-                st.finished = true;
-                st.open
-                    .remove(&0)
-                    .map(|b| b.data)
-                    .unwrap_or_else(|| vec![0; plan.size as usize])
-            };
-            return bucket.put(&self.0.key, Bytes::from(data), Mode::Overwrite);
-        }
-        let rest: Vec<(usize, Vec<u8>)> = {
-            let mut st = self.wait_idle();
-            self.failed(&st)?;
-            let mut rest = Vec::new();
-            for part in 0..plan.parts() {
-                if !st.sent[part] {
-                    st.sent[part] = true;
-                    let r = plan.range(part);
-                    let data = st
-                        .open
-                        .remove(&part)
-                        .map(|b| b.data)
-                        .unwrap_or_else(|| vec![0; (r.end - r.start) as usize]);
-                    rest.push((part, data));
+                if !st.sent.insert(part) {
+                    continue;
                 }
-            }
-            rest
-        };
-        for (part, data) in rest {
-            self.send(part, data);
+                let len = ((part as u64 + 1) * ps).min(size) - part as u64 * ps;
+                let mut data = st.open.remove(&part).map(|b| b.data).unwrap_or_default();
+                data.resize(len as usize, 0);
+                data
+            };
+            self.send(part, data)?;
         }
-        let parts: Vec<PartId> = {
+        let (id, ids) = {
             let mut st = self.wait_idle();
             self.failed(&st)?;
             st.finished = true;
-            st.done
-                .iter_mut()
-                .map(|p| {
-                    p.take().unwrap_or(PartId {
-                        content_id: String::new(),
-                    })
-                })
-                .collect()
+            let ids: Option<Vec<PartId>> = (0..parts).map(|p| st.done.remove(&p)).collect();
+            (st.id.clone(), ids)
+        };
+        let (Some(id), Some(ids)) = (id, ids) else {
+            return Err(self.invalid("a part of the upload is missing at its end".into()));
         };
         let store = bucket.store()?;
-        let id = self.0.upload_id.clone().unwrap_or_default();
-        block_on(store.complete_multipart(&self.0.path, &id, parts))
+        block_on(store.complete_multipart(&self.0.path, &id, ids))
             .map(|r| r.e_tag.unwrap_or_default())
-            .map_err(|e| bucket.error(&url, e))
+            .map_err(|e| bucket.error(&self.name(), e))
     }
 
     /// Drops the upload: its parts are discarded and the object never appears.
     pub fn abort(&self) {
-        {
+        let id = {
             let mut st = self.wait_idle();
             st.error.get_or_insert(RemoteError {
                 kind: Kind::Invalid,
@@ -1139,9 +1151,10 @@ impl Upload {
             });
             st.finished = true;
             st.open.clear();
-        }
-        if let Some(id) = &self.0.upload_id {
-            let _ = self.0.bucket.abort_upload(&self.0.key, id);
+            st.id.clone()
+        };
+        if let Some(id) = id {
+            let _ = self.0.bucket.abort_upload(&self.0.key, &id);
         }
     }
 }

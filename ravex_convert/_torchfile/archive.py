@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 
 from .._dtypes import DTYPE_SIZES, SCALAR_DTYPES, scalar_value
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError, from_os_error
+from ..storage import as_path, core_source, is_remote, open_read
 from .unpickle import Record, StorageRef, TensorRef, max_pickle_bytes, restricted_loads
 
 __all__ = ["TorchArchive", "check_archive", "check_deferred", "crc_enabled", "deferred_crcs", "deferring", "gather_strided", "is_torch_zip",
@@ -121,7 +122,7 @@ class TorchArchive:
                 hint="the file is damaged or not what it looks like; copy it again",
                 path=self.path,
             )
-        with open(self.path, "rb") as f:
+        with open_read(self.path) as f:
             f.seek(self.tensor_offset(t))
             data = f.read(t.nbytes)
         if len(data) != t.nbytes:
@@ -151,7 +152,7 @@ def check_archive(path: Path) -> None:
     )
     try:
         size = path.stat().st_size
-        with zipfile.ZipFile(path) as z:
+        with open_read(path) as zf, zipfile.ZipFile(zf) as z:
             infos = z.infolist()
     except OSError as exc:
         raise from_os_error(exc, path=path) from None
@@ -171,10 +172,10 @@ def check_archive(path: Path) -> None:
 def is_torch_zip(path: Path) -> bool:
     """Cheap sniff: a zip local-file header at the start and a data.pkl inside."""
     try:
-        with open(path, "rb") as f:
+        with open_read(path) as f:
             if f.read(4) != b"PK\x03\x04":
                 return False
-        with zipfile.ZipFile(path) as z:
+        with open_read(path) as zf, zipfile.ZipFile(zf) as z:
             return any(n.endswith("/data.pkl") or n == "data.pkl" for n in z.namelist())
     except (OSError, zipfile.BadZipFile, ValueError):
         return False
@@ -182,7 +183,7 @@ def is_torch_zip(path: Path) -> bool:
 
 def open_archive(path: str | Path, base: int = 0, length: int | None = None) -> TorchArchive:
     """Parse the torch.save archive at ``path`` (or in the window ``base``..``base+length``)."""
-    path = Path(path)
+    path = as_path(path)
     where = f"{path}" if base == 0 and length is None else f"{path} (item at byte {base})"
     bad = CorruptCheckpointError(
         f"{where}: not a readable torch.save archive (truncated, overwritten, or not written by torch.save)",
@@ -197,7 +198,7 @@ def open_archive(path: str | Path, base: int = 0, length: int | None = None) -> 
         length = size - base
     if base + length > size:
         raise bad
-    with open(path, "rb") as raw:
+    with open_read(path) as raw:
         window = _Window(raw, base, length)
         if window.read(4) != b"PK\x03\x04":
             raise bad
@@ -375,7 +376,7 @@ def gather_strided(archive: TorchArchive, ref: TensorRef, what: str) -> bytes:
     extent = 1 + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride)) if ref.numel else 0
     if (ref.storage_offset + extent) * size > stored:
         raise CorruptCheckpointError(f"{archive.where or archive.path}: {what} runs past the end of its storage", hint="the file is truncated or damaged; copy it again", path=archive.path)
-    with open(archive.path, "rb") as f:
+    with open_read(archive.path) as f:
         f.seek(archive.tensor_offset(ref))
         raw = f.read(extent * size)
     if len(raw) != extent * size:
@@ -510,11 +511,11 @@ def _check(entries: Sequence[tuple[TorchArchive, str]], pieces: dict[str, list[t
         segs = [_segments(known, starts, a.storage_offsets[k], a.storage_sizes[k]) for a, k in es]
         gaps = [(o, m) for ss in segs for o, m, crc in ss if crc is None]
         try:
-            read = iter(_core.checksum_ranges(path, gaps, "crc32") if gaps else [])
+            read = iter(_core.checksum_ranges(core_source(path), gaps, "crc32") if gaps else [])
         except OSError as exc:
             raise from_os_error(exc, path=es[0][0].path) from None
         except ValueError:  # a range past the end of the file: truncated since it was opened
-            size = os.path.getsize(path) if os.path.exists(path) else 0
+            size = Path(path).stat().st_size if not is_remote(path) and os.path.exists(path) else 0
             a = next((a for a, k in es if a.storage_offsets[k] + a.storage_sizes[k] > size), es[0][0])
             raise CorruptCheckpointError(f"{a.where or a.path}: the file is shorter than its zip directory says",
                                          hint="the file is truncated; copy it again", path=a.path) from None

@@ -27,6 +27,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexErr
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize, numel
 from ..plan import OutFile, WritePlan, run
+from ..storage import open_read
 from ..ties import config_ties
 from .options import Flag, WriteOptions, option, parse_size
 
@@ -54,7 +55,7 @@ _AGAIN = "the file is truncated, damaged or was not written by a safetensors wri
 
 def _looks_like_safetensors(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_read(path) as f:
             head = f.read(9)
     except OSError:
         return False
@@ -78,7 +79,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The parsed, checked header and the absolute offset where tensor data begins."""
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_read(path) as f:
             head = f.read(8)
             if len(head) < 8:
                 raise _bad(path, f"the file is {size} bytes, shorter than the 8-byte header length")

@@ -28,7 +28,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["ABSENT", "Output", "PreconditionFailed", "Sink", "Storage", "holder_text", "lease_note"]
 
@@ -44,13 +44,20 @@ class Sink(Protocol):
     """A new object being written."""
 
     key: str
-    # A local file the Rust executor may write positionally while the sink is open (a
-    # spool file on an object store); the executor never opens anything else for writing.
-    path: Path
     # Whether the executor may write ``path`` around the page cache (O_DIRECT) for durable
     # output: true where the file is the object itself, false for a spool that ``close`` reads
     # back to upload.
     direct: bool
+
+    @property
+    def path(self) -> Path | None:
+        """The object's local file, where it has one (None for an upload to a bucket)."""
+
+    @property
+    def target(self) -> Any:
+        """What the Rust executor writes positionally while the sink is open: a local file's
+        path (the object itself, or a spool) or the core's upload of it (``_core.S3Upload``);
+        the executor never opens anything else for writing."""
 
     def pwrite(self, data: bytes, offset: int) -> None: ...
 
@@ -87,7 +94,8 @@ class Output(Protocol):
 @dataclass(frozen=True)
 class Stat:
     size: int
-    generation: int
+    # opaque: compared for equality only (an int on a filesystem, an ETag string in a bucket)
+    generation: Any
 
 
 class Storage(Protocol):

@@ -38,6 +38,7 @@ class _FileSink:
     def __init__(self, path: Path, size: int):
         self.key = str(path)
         self.path = path
+        self.target = str(path)
         self.direct = True  # the file is the object
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:

@@ -150,6 +150,7 @@ class _SpoolSink:
     def __init__(self, store: ObjectDirStorage, key: str, size: int, spool: Path):
         self.key, self._store = key, store
         self.path = spool
+        self.target = str(spool)
         self.direct = False  # close reads the spool back to upload it
         with open(spool, "wb") as f:
             f.truncate(size)

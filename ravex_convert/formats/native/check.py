@@ -32,6 +32,7 @@ from ..._strictjson import DuplicateKey, unique_pairs
 from ..._tagged import TAG
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, from_os_error
 from ...model import KINDS, MODEL, Box, Chunk, Flat, LogicalTensor, Region
+from ...storage import open_read
 
 __all__ = [
     "DTYPES", "FORMAT_VERSION", "MAX_DIMS", "Checked", "check_checkpoint", "check_manifest", "load_json", "max_chunks_per_tensor",
@@ -98,7 +99,7 @@ def load_json(path: Path, expected_format: str, *, hint: str, missing_hint: str 
         return CorruptCheckpointError(f"{path}: {why}", hint=hint, path=path)
 
     try:
-        with open(path, "rb") as f:
+        with open_read(path) as f:
             raw = f.read()
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path}: missing", hint=missing_hint or "the store is incomplete; copy the whole store directory",

@@ -23,6 +23,7 @@ from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexEr
 from ...info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ...model import Checkpoint, Chunk
 from ...objects import check as check_objects
+from ...storage import core_source
 from .check import FORMAT_VERSION, Checked, check_checkpoint, check_manifest, load_json, metadata_checksum
 
 __all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "describe", "read", "read_manifest", "resolve", "sniff", "verify_chunks"]
@@ -379,7 +380,7 @@ def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
                 plain.append((name, k, c))
                 continue
             try:
-                h = _core.decompress_frame_to(str(file), c.offset, stored, c.nbytes)
+                h = _core.decompress_frame_to(core_source(file), c.offset, stored, c.nbytes)
             except ValueError as exc:
                 raise bad(name, k, c, f"its zstd frame does not decode to {c.nbytes} bytes ({str(exc).split(chr(10))[0]})") from None
             except OSError as exc:
@@ -388,7 +389,7 @@ def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
                 raise bad(name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{h:016x})")
             count += 1
         try:
-            sums = _core.checksum_ranges(str(file), [(c.offset, c.nbytes) for _, _, c in plain], "xxh3-64") if plain else []
+            sums = _core.checksum_ranges(core_source(file), [(c.offset, c.nbytes) for _, _, c in plain], "xxh3-64") if plain else []
         except OSError as exc:
             raise from_os_error(exc, path=file) from None
         for (name, k, c), h in zip(plain, sums):

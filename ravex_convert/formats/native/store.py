@@ -30,7 +30,7 @@ from typing import Any
 
 from ..._output import fsync_dir, fsync_fd
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, UnsafeCheckpointError
-from ...storage import ABSENT, PreconditionFailed, Storage, is_objdir, resolve
+from ...storage import ABSENT, PreconditionFailed, Storage, as_path, is_objdir, resolve
 from . import reader as native
 from .check import check_manifest
 from .reader import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
@@ -71,7 +71,9 @@ class Where:
     def dst(self, rel: str) -> str | Path:
         """``rel`` under the store, spelled as ``plan.run`` resolves it to this store's backend
         (on object storage: a key of the store's bucket, which the lease holds in use)."""
-        return self.path / rel if self.posix else f"objdir:{self.path / rel}"
+        if self.posix:
+            return self.path / rel
+        return str(self.path / rel) if self.storage.scheme == "s3" else f"objdir:{self.path / rel}"
 
     def shown(self, rel: str) -> str:
         return f"objdir://{self.path / rel}" if self.name.startswith("objdir:") else str(self.path / rel)
@@ -91,6 +93,9 @@ def where(store: str | Path) -> Where:
     storage, key = resolve(store)
     if storage.scheme == "file":
         return Where(storage, key, Path(key), str(Path(key)))
+    if storage.scheme == "s3":  # readers open an S3Path: listings and ranged GETs
+        path = as_path(os.fspath(store))
+        return Where(storage, key, path, str(path))
     path = storage.local_path(key)
     return Where(storage, key, path, f"objdir://{path}" if is_objdir(store) else str(path))
 

@@ -292,24 +292,28 @@ def _data_files(outs: list[_Out], compression: str | None, keep_chunks: bool = F
         for o in chunks:
             o.file, o.offset = name, pos
             pos += o.nbytes
-        f = OutFile(name, pos, small=[(0, head)] if head else [], scratch=compression is not None, seal=_sealer(name, chunks, compression),
+        f = OutFile(name, pos, small=[(0, head)] if head else [], scratch=compression is not None, seal=_sealer(name, chunks, compression, pos),
                     rank=rank if keep_chunks else None, hash_ranges=[(o.offset, o.nbytes) for o in chunks])
         f.fills = [(o.tensor, o.offset, o.region, o.dtype) for o in chunks]
         files.append(f)
     return files
 
 
-def _sealer(name: str, chunks: list[_Out], compression: str | None) -> Callable[[Path, Any, list[int | None]], Any]:
-    def seal(path: Path, out: Any, hashed: list[int | None]) -> tuple[list[int], list[int], list[str], int]:
+def _sealer(name: str, chunks: list[_Out], compression: str | None, size: int) -> Callable[[Path | None, Any, list[int | None]], Any]:
+    def seal(path: Path | None, out: Any, hashed: list[int | None]) -> tuple[list[int], list[int], list[str], int]:
         # the copy hashed each chunk as it wrote it; the few it could not (two copy threads
         # met inside the chunk) are hashed from the file
         missing = [i for i, h in enumerate(hashed) if h is None]
+        if missing and path is None:  # an upload has no file to read back before it completes
+            raise RavexError(f"{name}: {len(missing)} chunk(s) were not hashed while copied, and an upload cannot be read back",
+                             hint="rerun with RAVEX_S3_PART_MB set larger; report this to Ravex")
         if missing:
+            assert path is not None
             for i, h in zip(missing, _core.checksum_ranges(str(path), [(chunks[i].offset, chunks[i].nbytes) for i in missing], "xxh3-64")):
                 hashed[i] = h
         sums = [f"xxh3-64:{h:016x}" for h in hashed]
         if compression is None:
-            return [o.offset for o in chunks], [o.nbytes for o in chunks], sums, path.stat().st_size
+            return [o.offset for o in chunks], [o.nbytes for o in chunks], sums, size if path is None else path.stat().st_size
         sink = out.sink(name, 0)
         offsets, lengths = [], []
         try:

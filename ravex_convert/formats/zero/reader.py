@@ -32,6 +32,7 @@ from ...errors import (
 )
 from ...info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ...model import BUFFER, FROZEN, MODEL, OBJ, PARAMETER, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, numel
+from ...storage import open_read
 from .layout import Groups, RankFile, corrupt, read_flat_groups, read_stage3, stage3_partition, tensor_chunk
 
 __all__ = ["LATEST", "ZeroLayout", "describe", "locate", "read", "sniff"]
@@ -151,7 +152,7 @@ def _read_latest(root: Path) -> str:
     crafted ``latest`` holding ``/etc`` or ``../x`` would point Ravex elsewhere)."""
     file = root / LATEST
     try:
-        with open(file, "rb") as f:
+        with open_read(file) as f:
             raw = f.read(4097)
     except OSError as exc:
         from ...errors import from_os_error

@@ -1,0 +1,639 @@
+"""S3 and S3-compatible object stores (AWS S3, Cloudflare R2, MinIO, SeaweedFS): ``s3://BUCKET/KEY``.
+
+The bytes move in the Rust core (``_core.S3Bucket``, the ``object_store`` crate): readers
+get an :class:`S3Path`, which answers the few ``pathlib`` questions they ask from listings
+and reads objects by range; the executor reads source objects by range and writes each
+output object as a multipart upload of equal parts, uploaded as they fill. Nothing is
+spooled to local disk, and nothing is ever replaced in place:
+
+- an output's data objects go up first; its format's commit objects (DCP ``.metadata``,
+  ZeRO ``latest``, a safetensors index, the native manifest) are put last, each with
+  ``If-None-Match: *``, so a reader sees the old state or the new one, never half of it;
+- a replaced object (the native manifest) is put with ``If-Match`` on the ETag it was read
+  at; a conditional put whose answer was lost (a retry that gets 412 against its own first
+  attempt) is settled by reading the object back: the bytes Ravex writes there carry the
+  writer's run id, so they are its own only if they are equal;
+- the run lock is a lease object, created only where absent, renewed while held, taken
+  over only when its holder's process is gone (same machine) or it was not renewed for
+  ``RAVEX_S3_LEASE_TTL`` seconds, and released with a conditional delete;
+- multipart uploads a killed writer left behind are listed and aborted when the next
+  writer begins at that prefix.
+
+Credentials come from the environment only: ``RAVEX_S3_ACCESS_KEY`` / ``RAVEX_S3_SECRET_KEY``
+where set, else the standard ``AWS_*`` variables (and web identity, container or instance
+credentials), as the AWS tools read them; ``AWS_ENDPOINT_URL`` (or ``RAVEX_S3_ENDPOINT``)
+for R2, MinIO and other S3-compatible stores. They never appear in a message.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import fnmatch
+import io
+import json
+import os
+import re
+import socket
+import stat as stat_mod
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .. import _core
+from ..errors import RavexError
+from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note
+
+__all__ = ["SCHEME", "S3Path", "S3Storage", "bucket", "is_s3", "split", "storage_error"]
+
+SCHEME = "s3://"
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+# listings a reader asked for, kept briefly: a conversion asks the same directory many times
+_LISTING_TTL_S = 10.0
+
+
+def is_s3(text: str | os.PathLike[str]) -> bool:
+    return os.fspath(text).startswith(SCHEME) or isinstance(text, S3Path)
+
+
+def split(url: str) -> tuple[str, str]:
+    """``(bucket, key)`` of ``s3://bucket/key``: a key is relative, '/'-separated, without
+    empty, '.' or '..' segments (a trailing '/' is dropped)."""
+    rest = url.removeprefix(SCHEME)
+    name, _, key = rest.partition("/")
+    if not _BUCKET_NAME.match(name):
+        raise RavexError(f"{url}: {name!r} is not an S3 bucket name", hint="write s3://BUCKET/PREFIX (a bucket name is 3-63 lowercase letters, digits, '.' and '-')")
+    key = key.rstrip("/")
+    if key and any(p in ("", ".", "..") for p in key.split("/")):
+        raise RavexError(f"{url}: not an object key (empty, '.' or '..' segments)", hint="write s3://BUCKET/PREFIX with plain names between the slashes")
+    return name, key
+
+
+def _env(*names: str) -> str | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v:
+            return v
+    return None
+
+
+def _number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RavexError(f"{name}={raw!r} is not a number", hint=f"unset {name} or give it a number") from None
+    if value < 0:
+        raise RavexError(f"{name}={raw!r} must not be negative", hint=f"unset {name} or give it a number >= 0")
+    return value
+
+
+_clients: dict[tuple[Any, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def bucket(name: str) -> Any:
+    """The client of bucket ``name`` in this process, configured from the environment."""
+    endpoint = _env("RAVEX_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    access, secret = _env("RAVEX_S3_ACCESS_KEY"), _env("RAVEX_S3_SECRET_KEY")
+    if bool(access) != bool(secret):
+        raise RavexError("only one of RAVEX_S3_ACCESS_KEY and RAVEX_S3_SECRET_KEY is set", hint="set both, or neither (then the AWS_* variables are used)")
+    region = _env("AWS_REGION", "AWS_DEFAULT_REGION") or ("auto" if endpoint and ".r2.cloudflarestorage.com" in endpoint else "us-east-1")
+    part_size, in_flight, retries = int(_number("RAVEX_S3_PART_MB", 8) * (1 << 20)), int(_number("RAVEX_S3_IN_FLIGHT", 8)), int(_number("RAVEX_S3_RETRIES", 10))
+    timeouts = (_number("RAVEX_S3_RETRY_TIMEOUT_S", 180), _number("RAVEX_S3_CONNECT_TIMEOUT_S", 5), _number("RAVEX_S3_TIMEOUT_S", 60))
+    # the credentials are part of the key only as a hash: a client per set of credentials
+    key = (os.getpid(), name, endpoint, region, hash((access, secret, _env("AWS_ACCESS_KEY_ID"), _env("AWS_SECRET_ACCESS_KEY"), _env("AWS_SESSION_TOKEN"))),
+           part_size, in_flight, retries, timeouts)
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            try:
+                client = _core.S3Bucket(name, endpoint=endpoint, region=region, access_key=access, secret_key=secret,
+                                        session_token=_env("AWS_SESSION_TOKEN") if access is None else None, part_size=part_size,
+                                        max_in_flight=in_flight, max_retries=retries, retry_timeout_s=timeouts[0], connect_timeout_s=timeouts[1],
+                                        request_timeout_s=timeouts[2])
+            except _core.S3Error as exc:
+                raise storage_error(exc) from None
+            _clients[key] = client
+    return client
+
+
+_HINTS = {
+    "not_found": "check the path: `ravex inspect s3://BUCKET/PREFIX` lists what is there",
+    "denied": "check the credentials (RAVEX_S3_ACCESS_KEY / RAVEX_S3_SECRET_KEY, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) "
+              "and that they may read and write this bucket",
+    "no_bucket": "create the bucket first, or check its name and AWS_ENDPOINT_URL",
+    "unreachable": "check AWS_ENDPOINT_URL (or RAVEX_S3_ENDPOINT) and the network; rerun: nothing half-written is taken for complete",
+    "precondition": "another writer changed it meanwhile; rerun",
+    "invalid": "this is a path or size S3 cannot hold",
+    "other": "rerun; if it persists, check the server's logs",
+}
+
+
+def storage_error(exc: Any) -> RavexError:
+    """An ``S3Error`` from the core as one clear error: the ``s3://`` URL, what happened, a hint."""
+    kind = getattr(exc, "kind", "other")
+    url = getattr(exc, "url", None)
+    text = str(exc)
+    if kind == "not_found":
+        from ..errors import IncompleteCheckpointError
+
+        return IncompleteCheckpointError(f"{url}: no such object", hint=_HINTS[kind], path=url)
+    return RavexError(text, hint=_HINTS.get(kind, _HINTS["other"]), path=url)
+
+
+@contextlib.contextmanager
+def _mapped() -> Iterator[None]:
+    """Core S3 errors inside the block as :class:`RavexError`; a lost condition as
+    :class:`PreconditionFailed`; a missing object as ``FileNotFoundError``."""
+    try:
+        yield
+    except _core.S3Error as exc:
+        if exc.kind == "precondition":
+            raise PreconditionFailed(str(exc)) from None
+        if exc.kind == "not_found":
+            raise FileNotFoundError(2, "no such object", exc.url) from None
+        raise storage_error(exc) from None
+
+
+# ------------------------------------------------------------------------------ listing cache
+
+_listings: dict[tuple[str, str], tuple[float, dict[str, tuple[int, str]], set[str]]] = {}
+
+
+def _forget(bucket_name: str) -> None:
+    """A write in ``bucket_name``: what was listed there is stale."""
+    for k in [k for k in _listings if k[0] == bucket_name]:
+        _listings.pop(k, None)
+
+
+def _listing(bucket_name: str, prefix: str) -> tuple[dict[str, tuple[int, str]], set[str]]:
+    """``({name: (size, etag)}, {directory names})`` directly under ``prefix``."""
+    now = time.monotonic()
+    hit = _listings.get((bucket_name, prefix))
+    if hit is not None and now - hit[0] < _LISTING_TTL_S:
+        return hit[1], hit[2]
+    with _mapped():
+        objects, prefixes = bucket(bucket_name).list_dir(prefix)
+    base = len(prefix) + 1 if prefix else 0
+    files = {k[base:]: (size, etag) for k, size, etag in objects}
+    dirs = {p[base:].rstrip("/") for p in prefixes}
+    _listings[(bucket_name, prefix)] = (now, files, dirs)
+    return files, dirs
+
+
+# ------------------------------------------------------------------------------ paths
+
+
+class _RangeReader(io.RawIOBase):
+    """An object read by range: what ``open(path, "rb")`` gives a reader."""
+
+    def __init__(self, obj: Any, size: int, name: str):
+        self._obj, self._size, self._pos, self.name = obj, size, 0, name
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._size - self._pos))
+        if n == 0:
+            return 0
+        try:
+            data = self._obj.read(self._pos, n)
+        except OSError as exc:
+            raise OSError(f"{self.name}: {exc}") from None
+        b[:n] = data
+        self._pos += n
+        return n
+
+
+def _stat_result(mode: int, size: int) -> os.stat_result:
+    return os.stat_result((mode, 0, 0, 1, 0, 0, size, 0, 0, 0))
+
+
+class S3Path(PurePosixPath):
+    """``s3://bucket/key`` as the read-only path a reader is given: ``/``, ``name``,
+    ``suffix``, ``parent`` as for any path; ``is_file``, ``is_dir``, ``exists``, ``iterdir``,
+    ``glob``, ``stat`` from listings; ``read_bytes`` and ``open("rb")`` by ranged GETs."""
+
+    # pathlib (3.11) builds derived paths with object.__new__: the class carries over, and
+    # everything else is in the parts ('s3:', bucket, key...)
+
+    @classmethod
+    def of(cls, url: str) -> S3Path:
+        name, key = split(url)
+        return cls("s3:", name, *(key.split("/") if key else []))
+
+    def __str__(self) -> str:
+        if not self.parts or self.parts[0] != "s3:":
+            return super().__str__()  # relative to a prefix (a file's name inside its checkpoint)
+        return SCHEME + "/".join(self.parts[1:])
+
+    def __fspath__(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"S3Path({str(self)!r})"
+
+    @property
+    def bucket_name(self) -> str:
+        return self.parts[1]
+
+    @property
+    def key(self) -> str:
+        return "/".join(self.parts[2:])
+
+    def _entry(self) -> tuple[int, str] | None:
+        if not self.key:
+            return None
+        parent = "/".join(self.parts[2:-1])
+        files, _ = _listing(self.bucket_name, parent)
+        return files.get(self.name)
+
+    def is_file(self) -> bool:
+        return self._entry() is not None
+
+    def is_dir(self) -> bool:
+        if not self.key:
+            return True
+        _, dirs = _listing(self.bucket_name, "/".join(self.parts[2:-1]))
+        return self.name in dirs
+
+    def exists(self) -> bool:
+        return self.is_file() or self.is_dir()
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def resolve(self, strict: bool = False) -> S3Path:
+        return self
+
+    def absolute(self) -> S3Path:
+        return self
+
+    def expanduser(self) -> S3Path:
+        return self
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        entry = self._entry()
+        if entry is not None:
+            return _stat_result(stat_mod.S_IFREG | 0o444, entry[0])
+        if self.is_dir():
+            return _stat_result(stat_mod.S_IFDIR | 0o555, 0)
+        raise FileNotFoundError(2, "no such object", str(self))
+
+    def lstat(self) -> os.stat_result:
+        return self.stat()
+
+    def iterdir(self) -> Iterator[S3Path]:
+        files, dirs = _listing(self.bucket_name, self.key)
+        if not files and not dirs and not self.is_dir():
+            raise FileNotFoundError(2, "no such prefix", str(self))
+        for name in sorted(set(files) | dirs):
+            yield self / name
+
+    def glob(self, pattern: str) -> Iterator[S3Path]:
+        if pattern.startswith("**/"):
+            yield from self.rglob(pattern[3:])
+            return
+        if "/" in pattern:
+            head, rest = pattern.split("/", 1)
+            for p in self.glob(head):
+                if p.is_dir():
+                    yield from p.glob(rest)
+            return
+        for p in self.iterdir():
+            if fnmatch.fnmatchcase(p.name, pattern):
+                yield p
+
+    def rglob(self, pattern: str) -> Iterator[S3Path]:
+        with _mapped():
+            listed = bucket(self.bucket_name).list(self.key)
+        base = len(self.key) + 1 if self.key else 0
+        seen: set[str] = set()
+        for k, _, _ in listed:
+            rel = k[base:].split("/")
+            for i in range(1, len(rel) + 1):  # the object and every "directory" above it
+                sub = "/".join(rel[:i])
+                if sub not in seen and fnmatch.fnmatchcase(rel[i - 1], pattern):
+                    seen.add(sub)
+                    yield self.joinpath(*rel[:i])
+
+    def object(self) -> Any:
+        """The core's handle of this object, for the executor (its size from the listing)."""
+        entry = self._entry()
+        if entry is None:
+            raise FileNotFoundError(2, "no such object", str(self))
+        return bucket(self.bucket_name).object(self.key, entry[0])
+
+    def read_bytes(self) -> bytes:
+        with _mapped():
+            return bytes(bucket(self.bucket_name).get(self.key)[0])
+
+    def read_text(self, encoding: str | None = None, errors: str | None = None) -> str:
+        return self.read_bytes().decode(encoding or "utf-8", errors or "strict")
+
+    def open(self, mode: str = "r", buffering: int = -1, encoding: str | None = None, errors: str | None = None,
+             newline: str | None = None) -> Any:
+        if any(c in mode for c in "wax+"):
+            raise RavexError(f"{self}: objects are written through the storage layer, not opened for writing")  # Ravex's own bug
+        raw = _RangeReader(self.object(), self.stat().st_size, str(self))
+        buffered = io.BufferedReader(raw, buffer_size=buffering if buffering > 0 else 1 << 20)
+        return buffered if "b" in mode else io.TextIOWrapper(buffered, encoding=encoding or "utf-8", errors=errors, newline=newline)
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+class _UploadSink:
+    """One object being uploaded: the executor writes ``target`` (the core's upload) by
+    range; the parts go up as they fill."""
+
+    path = None  # no local file
+    direct = False
+
+    def __init__(self, store: S3Storage, key: str, size: int):
+        self.key, self._store = key, store
+        with _mapped():
+            self.target = store.client.upload(key, size)
+        self._open = True
+
+    def pwrite(self, data: bytes, offset: int) -> None:
+        with _mapped():
+            self.target.pwrite(bytes(data), offset)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            try:
+                with _mapped():
+                    self.target.close()
+            finally:
+                _forget(self._store.name)
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            self.target.abort()
+
+
+class _ScratchSink:
+    """A local temporary file that never becomes an object (compression's input)."""
+
+    direct = False
+
+    def __init__(self, size: int):
+        fd, name = tempfile.mkstemp(prefix="ravex-s3-scratch-")
+        os.ftruncate(fd, size)
+        os.close(fd)
+        self.key = ""
+        self.path = Path(name)
+        self.target = name
+
+    def pwrite(self, data: bytes, offset: int) -> None:
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class _Output:
+    def __init__(self, store: S3Storage, dst: str, force: bool, directory: bool, create: bool, commit: tuple[str, ...]):
+        self.store, self.key, self.directory = store, dst, directory
+        self._written: list[str] = []
+        self._sinks: list[Any] = []
+        if create:
+            self._create(force, commit)
+
+    def _create(self, force: bool, commit: tuple[str, ...]) -> None:
+        store = self.store
+        if not self.key:
+            raise RavexError(f"s3://{store.name}: write to a prefix inside the bucket, not to its root",
+                             hint=f"give s3://{store.name}/NAME")
+        old = store.list(self.key) + ([self.key] if store.exists(self.key) else [])
+        store.abort_unfinished(self.key)
+        if old and not force:
+            raise RavexError(f"{store.url(self.key)}: already exists", hint="pass --force to replace it, or choose another destination")
+        # No atomic replace of many objects exists: the old output's commit objects go
+        # first, so it stops being a checkpoint before any new object lands.
+        for k in sorted(old, key=lambda k: k.rsplit("/", 1)[-1] not in commit):
+            store.delete(k)
+
+    def _key(self, rel: str) -> str:
+        return f"{self.key}/{rel}" if rel else self.key
+
+    def sink(self, rel: str, size: int) -> _UploadSink:
+        key = self._key(rel)
+        s = _UploadSink(self.store, key, size)
+        self._sinks.append(s)
+        self._written.append(key)
+        return s
+
+    def scratch(self, size: int) -> _ScratchSink:
+        s = _ScratchSink(size)
+        self._sinks.append(s)
+        return s
+
+    def put(self, rel: str, data: bytes) -> None:
+        key = self._key(rel)
+        self.store.put(key, data, if_generation=ABSENT)
+        self._written.append(key)
+
+    def publish(self, commit: list[tuple[str, bytes]]) -> None:
+        for s in self._sinks:
+            if isinstance(s, _UploadSink) and s._open:
+                raise RavexError(f"{s.key}: still open at commit")  # Ravex's own bug
+        for rel, data in commit:
+            self.put(rel, data)
+
+    def abort(self) -> None:
+        """Every object under the output's key goes (other ranks' too: they are all this output's)."""
+        for s in self._sinks:
+            with contextlib.suppress(Exception):
+                s.abort()
+        with contextlib.suppress(RavexError, OSError):
+            keys = set(self._written) | set(self.store.list(self.key)) | ({self.key} if self.store.exists(self.key) else set())
+            for key in sorted(keys, key=lambda k: k.rsplit("/", 1)[-1] not in (".metadata", "latest", "manifest.json")):
+                with contextlib.suppress(FileNotFoundError, RavexError):
+                    self.store.delete(key)
+
+
+def _lease_ttl() -> float:
+    return _number("RAVEX_S3_LEASE_TTL", 120.0)
+
+
+class S3Storage:
+    """One bucket; keys are relative, '/'-separated."""
+
+    scheme = "s3"
+
+    def __init__(self, name: str):
+        self.name = name
+        self.client = bucket(name)
+
+    def url(self, key: str) -> str:
+        return f"{SCHEME}{self.name}/{key}"
+
+    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None,
+               commit: tuple[str, ...] = ()) -> _Output:
+        return _Output(self, dst, force, directory, create, commit)
+
+    def exists(self, key: str) -> bool:
+        if key.endswith("/") or not key:
+            return bool(self.list(key.rstrip("/")))
+        return self.stat(key) is not None
+
+    def list(self, prefix: str) -> list[str]:
+        """Every object key under the "directory" ``prefix``, sorted."""
+        with _mapped():
+            return [k for k, _, _ in self.client.list(prefix)] if prefix else [k for k, _, _ in self.client.list("")]
+
+    def stat(self, key: str) -> Stat | None:
+        with _mapped():
+            head = self.client.head(key)
+        return None if head is None else Stat(head[1], head[2])
+
+    def get(self, key: str) -> tuple[bytes, Any]:
+        with _mapped():
+            data, etag = self.client.get(key)
+        return bytes(data), etag
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        with _mapped():
+            return bytes(self.client.get_range(key, offset, length))
+
+    def put(self, key: str, data: bytes, *, if_generation: Any = None, staging: str | None = None) -> Any:
+        """A whole object, conditionally; ``staging`` means nothing here (no rename). A
+        conditional put that loses is settled by reading back: equal bytes are this writer's
+        own first attempt (a retry after a lost answer), anything else another writer's."""
+        mode, etag = ("overwrite", None) if if_generation is None else ("create", None) if if_generation == ABSENT else ("replace", str(if_generation))
+        try:
+            with _mapped():
+                return self.client.put(key, bytes(data), mode, etag)
+        except PreconditionFailed:
+            if mode != "overwrite":
+                with contextlib.suppress(FileNotFoundError, RavexError):
+                    now, gen = self.get(key)
+                    if now == bytes(data):
+                        return gen
+            raise PreconditionFailed(f"{self.url(key)}: another writer changed it first") from None
+        finally:
+            _forget(self.name)
+
+    def delete(self, key: str) -> None:
+        try:
+            with _mapped():
+                self.client.delete(key)
+        finally:
+            _forget(self.name)
+
+    def abort_unfinished(self, prefix: str) -> None:
+        """Multipart uploads under ``prefix`` that a writer left unfinished are aborted."""
+        with _mapped():
+            for key, upload_id, _ in self.client.unfinished(prefix + "/" if prefix else ""):
+                with contextlib.suppress(_core.S3Error):
+                    self.client.abort_upload(key, upload_id)
+
+    def unfinished(self, prefix: str) -> builtins.list[tuple[str, str, str]]:
+        """``(key, upload id, initiated)`` of the multipart uploads left under ``prefix``."""
+        with _mapped():
+            return list(self.client.unfinished(prefix + "/" if prefix else ""))
+
+    def local_path(self, key: str) -> Path:
+        raise RavexError(f"{self.url(key)}: an object in a bucket has no local path")  # Ravex's own bug: readers get an S3Path
+
+    @contextlib.contextmanager
+    def lease(self, key: str, holder: str) -> Iterator[None]:
+        """A lease object at ``key``: created only where absent, renewed every TTL/4 seconds
+        while held, released with a conditional delete. One whose holder is a process of this
+        machine that no longer runs, or that was not renewed for the TTL, is taken over with a
+        put conditional on its ETag (only one taker wins)."""
+        etag = self._take(key, holder)
+        state = {"etag": etag}
+        stop = threading.Event()
+        owner = os.getpid()
+
+        def renew() -> None:
+            while not stop.wait(_lease_ttl() / 4):
+                with contextlib.suppress(Exception):
+                    state["etag"] = self.put(key, _note(holder), if_generation=state["etag"])
+
+        t = threading.Thread(target=renew, name="ravex-s3-lease", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join(timeout=5)
+            if os.getpid() == owner:
+                with contextlib.suppress(Exception), _mapped():
+                    self.client.delete_if(key, state["etag"])
+                _forget(self.name)
+
+    def _take(self, key: str, holder: str) -> Any:
+        try:
+            return self.put(key, _note(holder), if_generation=ABSENT)
+        except PreconditionFailed:
+            pass
+        try:
+            raw, gen = self.get(key)
+        except FileNotFoundError:  # released in between
+            return self.put(key, _note(holder), if_generation=ABSENT)
+        if not _abandoned(raw):
+            raise PreconditionFailed(holder_text(raw) + f" (taken over if not renewed for {_lease_ttl():.0f} s: RAVEX_S3_LEASE_TTL)")
+        try:
+            return self.put(key, _note(holder), if_generation=gen)
+        except PreconditionFailed:  # another writer took it over first
+            raise PreconditionFailed(holder_text(self.get(key)[0])) from None
+
+
+def _note(holder: str) -> bytes:
+    note = json.loads(lease_note(holder))
+    note["renewed_unix"] = time.time()
+    return json.dumps(note).encode()
+
+
+def _abandoned(raw: bytes) -> bool:
+    """Whether a lease's holder is certainly gone: a process of this machine that no longer
+    runs, or a holder anywhere that has not renewed it for the TTL."""
+    try:
+        note = json.loads(raw.decode())
+        pid, host = note["pid"], note["host"]
+        renewed = float(note.get("renewed_unix", note["since_unix"]))
+    except (ValueError, KeyError, TypeError):
+        return False
+    if time.time() - renewed > _lease_ttl():
+        return True
+    if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+    return False
+
