@@ -12,6 +12,8 @@ import os
 import shutil
 import tempfile
 import weakref
+import zlib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,6 +268,11 @@ class CopyJob:
         flush()
         if crc_ranges:
             _join_parts(crc_ranges, found, parts)
+            # an upload cannot be read back before it completes: there, bytes no copy wrote are the
+            # zeros every new object starts as (as a new file's are), and the CRC joins across them
+            uploads = {i for i, t in enumerate(self.targets) if isinstance(t, _core.S3Upload)}
+            if uploads:
+                _join_parts(crc_ranges, found, parts, zero_gaps=uploads)
             self.crcs = self._complete_crcs(crc_ranges, found)
         if sync:
             for path in self.targets:
@@ -304,22 +311,38 @@ class CopyJob:
         return [int(c) for c in found if c is not None]
 
 
-def _join_parts(ranges: list[tuple[int, int, int]], found: list[int | None], parts: dict[int, list[tuple[int, int, int]]]) -> None:
+def _join_parts(ranges: list[tuple[int, int, int]], found: list[int | None], parts: dict[int, list[tuple[int, int, int]]],
+                zero_gaps: Collection[int] = ()) -> None:
     """A range no batch tiled on its own gets its CRC-32 from the pieces every batch wrote in it,
     where together they tile it (one stretch after another, no gap); else it stays None and is
-    read back."""
-    for i, ps in parts.items():
-        if found[i] is not None:
+    read back. For a range of a target in ``zero_gaps``, a gap joins as the zeros it holds."""
+    for i, found_crc in enumerate(found):
+        if found_crc is not None or (i not in parts and ranges[i][0] not in zero_gaps):
             continue
-        _, at, length = ranges[i]
+        target, at, length = ranges[i]
         end, joined = at + length, []
-        for offset, n, crc in sorted(ps):
+        for offset, n, crc in sorted(parts.get(i, [])):
             if offset != at:
-                break
+                if target not in zero_gaps or offset < at:
+                    break
+                joined.append((_zeros_crc(offset - at), offset - at))
+                at = offset
             joined.append((crc, n))
             at += n
+        if at < end and target in zero_gaps:
+            joined.append((_zeros_crc(end - at), end - at))
+            at = end
         if at == end:
             found[i] = _core.crc32_concat(joined)
+
+
+def _zeros_crc(n: int) -> int:
+    """The CRC-32 of ``n`` zero bytes."""
+    crc, block = 0, bytes(min(n, 1 << 20))
+    while n > 0:
+        crc = zlib.crc32(block[:min(n, len(block))], crc)
+        n -= len(block)
+    return crc
 
 
 def read_into(tensor: LogicalTensor, out: bytearray | memoryview, dtype: str | None = None, *, threads: int = 0) -> None:

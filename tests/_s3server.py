@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ACCESS_KEY = "ravex-test"
 SECRET_KEY = "ravex-test-secret-key"
@@ -160,3 +161,65 @@ def _addr(text: str, v6: bool) -> tuple[str, int]:
         words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
         return socket.inet_ntop(socket.AF_INET6, words), int(port, 16)
     return socket.inet_ntop(socket.AF_INET, raw[::-1]), int(port, 16)
+
+
+# ------------------------------------------------------------------ the test side of a bucket
+# What the tests check Ravex's objects with: boto3, an S3 client that is not Ravex's.
+
+
+def client(endpoint: str) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                        region_name="us-east-1", config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}))
+
+
+def split(url: str) -> tuple[str, str]:
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def upload_tree(endpoint: str, local: Path, url: str) -> None:
+    """Every file under ``local`` (or ``local`` itself) to the objects under ``url``."""
+    s3: Any = client(endpoint)
+    bucket, key = split(url)
+    if local.is_file():
+        s3.upload_file(str(local), bucket, key)
+        return
+    for p in sorted(local.rglob("*")):
+        if p.is_file():
+            s3.upload_file(str(p), bucket, f"{key}/{p.relative_to(local).as_posix()}")
+
+
+def download_tree(endpoint: str, url: str, local: Path) -> list[str]:
+    """The objects under ``url`` (or the one object at it) into ``local``; returns their keys, relative."""
+    s3: Any = client(endpoint)
+    bucket, key = split(url)
+    keys = keys_under(endpoint, url)
+    if not keys:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        s3.download_file(bucket, key, str(local))
+        return [""]
+    for rel in keys:
+        dst = local / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        s3.download_file(bucket, f"{key}/{rel}", str(dst))
+    return keys
+
+
+def keys_under(endpoint: str, url: str) -> list[str]:
+    """The keys under the prefix ``url``, relative to it, sorted."""
+    s3: Any = client(endpoint)
+    bucket, key = split(url)
+    found = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key + "/"):
+        found += [o["Key"][len(key) + 1:] for o in page.get("Contents", [])]
+    return sorted(found)
+
+
+def unfinished_uploads(endpoint: str, url: str) -> list[str]:
+    """Keys of the multipart uploads begun under ``url`` and neither completed nor aborted."""
+    s3: Any = client(endpoint)
+    bucket, key = split(url)
+    return sorted(u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", []))

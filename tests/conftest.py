@@ -96,6 +96,59 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         server.stop()
 
 
+@pytest.fixture
+def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[S3Prefix]:
+    """A prefix of this test's own in the session's bucket, and the environment a user of an
+    S3-compatible store sets (AWS_* credentials and AWS_ENDPOINT_URL; nothing else)."""
+    import re
+    import uuid
+
+    import _s3server
+
+    for k in list(os.environ):
+        if k.startswith(("AWS_", "RAVEX_S3_")):
+            monkeypatch.delenv(k)
+    env = {"AWS_ACCESS_KEY_ID": _s3server.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": _s3server.SECRET_KEY,
+           "AWS_ENDPOINT_URL": s3_server.endpoint, "AWS_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:48]
+    yield S3Prefix(s3_server, f"s3://{s3_server.bucket}/t/{name}-{uuid.uuid4().hex[:8]}", env)
+
+
+class S3Prefix:
+    """``url``: this test's prefix (``s3://ckpt/t/<test>-<id>``); helpers over boto3 to put
+    files there and fetch Ravex's objects back."""
+
+    def __init__(self, server: Any, url: str, env: dict[str, str]):
+        self.server, self.url, self.env = server, url, env
+
+    def __truediv__(self, rel: str) -> str:
+        return f"{self.url}/{rel}"
+
+    def upload(self, local: Path, rel: str) -> str:
+        import _s3server
+
+        _s3server.upload_tree(self.server.endpoint, local, self / rel)
+        return self / rel
+
+    def download(self, rel: str, local: Path) -> Path:
+        import _s3server
+
+        _s3server.download_tree(self.server.endpoint, self / rel, local)
+        return local
+
+    def keys(self, rel: str) -> list[str]:
+        import _s3server
+
+        return _s3server.keys_under(self.server.endpoint, self / rel)
+
+    def unfinished(self, rel: str = "") -> list[str]:
+        import _s3server
+
+        return _s3server.unfinished_uploads(self.server.endpoint, self / rel if rel else self.url)
+
+
 # The storage backends a writer's test runs on: each test of a module that uses this fixture
 # (pytestmark = pytest.mark.usefixtures("storage_backend")) runs once per backend, grouped by
 # backend (module scope), with every plain output path routed through it. "objdir" keeps the

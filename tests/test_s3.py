@@ -1,0 +1,279 @@
+"""Checkpoints in an S3 bucket, against a real S3 server on 127.0.0.1 (SeaweedFS, tests/_s3server.py).
+
+Every command takes ``s3://bucket/prefix`` on either side. What Ravex writes to a bucket is
+fetched back with boto3 (a client that is not Ravex's) and compared byte for byte with the
+same conversion written to local disk; what it reads from a bucket gives the same output
+as the same files read locally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DATA, S3Prefix, ravex_bin, run_ravex
+
+ZERO3 = DATA / "zero3_ws2_fp32" / "checkpoint"
+FSDP2 = DATA / "fsdp2_ws2" / "checkpoint"
+
+# source fixtures, each read from the bucket and from disk
+SOURCES = ["zero1_ws2_bf16", "zero2_ws2_fp32", "zero3_ws2_fp32", "fsdp2_ws2", "safetensors_single", "safetensors_sharded", "torch_save"]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    if root.is_file():
+        return {"": root.read_bytes()}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _ok(res: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+def _source(name: str) -> Path:
+    src = DATA / name / "checkpoint"
+    entries = [p for p in src.iterdir() if not p.name.startswith(".")]
+    # a single-file checkpoint is the file, not its directory
+    return entries[0] if len(entries) == 1 and entries[0].is_file() else src
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_a_source_in_a_bucket_converts_as_it_does_from_disk(name: str, s3: S3Prefix, tmp_path: Path) -> None:
+    src = _source(name)
+    url = s3.upload(src, src.name)
+    _ok(run_ravex("convert", src, tmp_path / "local.safetensors"))
+    _ok(run_ravex("convert", url, tmp_path / "remote.safetensors"))
+    assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    # the same description, but for where the checkpoint is
+    local, remote = (json.loads(_ok(run_ravex("inspect", p, "--json")).stdout.replace(str(p), "SRC")) for p in (src, url))
+    assert remote == local
+
+
+@pytest.mark.parametrize(("to", "name", "extra"), [
+    ("safetensors", "out.safetensors", []),
+    ("torch_save", "out.pt", []),
+    ("dcp", "dcp", ["--world-size", "3"]),
+    ("zero", "zero", ["--zero-stage", "2", "--world-size", "3"]),
+    ("hf_trainer", "checkpoint-3", []),
+])
+def test_an_output_in_a_bucket_is_the_bytes_written_to_disk(to: str, name: str, extra: list[str], s3: S3Prefix, tmp_path: Path) -> None:
+    (tmp_path / "local").mkdir()
+    _ok(run_ravex("convert", ZERO3, tmp_path / "local" / name, "--to", to, *extra))
+    _ok(run_ravex("convert", ZERO3, s3 / name, "--to", to, *extra))
+    got = s3.download(name, tmp_path / "remote" / name)
+    # DCP's .metadata records where it was written (its checkpoint id): everything else is equal
+    drop = {".metadata"} if to == "dcp" else set()
+    assert {k: v for k, v in _tree(got).items() if k not in drop} == {k: v for k, v in _tree(tmp_path / "local" / name).items() if k not in drop}
+    assert s3.unfinished() == []
+    if to != "safetensors":  # (weights only: the optimizer state is left out)
+        _ok(run_ravex("verify", s3 / name, tmp_path / "local" / name))
+
+
+def test_bucket_to_bucket_and_a_native_store(s3: S3Prefix, tmp_path: Path) -> None:
+    src = s3.upload(FSDP2, "src")
+    _ok(run_ravex("convert", src, s3 / "store", "--to", "native"))
+    assert {"ravex-store.json", "manifest.json"} <= set(s3.keys("store"))
+    assert not [k for k in s3.keys("store") if k.endswith(("lock", "run-lock"))], "the lease is released"
+    _ok(run_ravex("convert", s3 / "store", s3 / "again.safetensors"))
+    _ok(run_ravex("convert", FSDP2, tmp_path / "ref.safetensors"))
+    assert s3.download("again.safetensors", tmp_path / "again.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    res = _ok(run_ravex("verify", s3 / "store", src))
+    assert "identical" in res.stdout
+    # and the reference loader reads the file Ravex wrote to the bucket
+    from safetensors.torch import load_file
+
+    assert set(load_file(tmp_path / "again.safetensors")) == set(load_file(tmp_path / "ref.safetensors"))
+
+
+def test_a_large_object_goes_up_in_equal_parts_and_reads_back(s3: S3Prefix, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(6)}  # 24 MiB: 3 parts of 8 MiB (+ header)
+    save_file(tensors, tmp_path / "big.safetensors")
+    # the same chain twice: through the bucket, and on disk
+    _ok(run_ravex("convert", tmp_path / "big.safetensors", s3 / "big.safetensors"))
+    _ok(run_ravex("convert", s3 / "big.safetensors", s3 / "big.pt", "--to", "torch_save"))
+    _ok(run_ravex("convert", s3 / "big.pt", tmp_path / "back.safetensors"))
+    _ok(run_ravex("convert", tmp_path / "big.safetensors", tmp_path / "l1.safetensors"))
+    _ok(run_ravex("convert", tmp_path / "l1.safetensors", tmp_path / "l2.pt", "--to", "torch_save"))
+    _ok(run_ravex("convert", tmp_path / "l2.pt", tmp_path / "l3.safetensors"))
+    assert s3.download("big.safetensors", tmp_path / "got.safetensors").read_bytes() == (tmp_path / "l1.safetensors").read_bytes()
+    assert s3.download("big.pt", tmp_path / "got.pt").read_bytes() == (tmp_path / "l2.pt").read_bytes()
+    assert (tmp_path / "back.safetensors").read_bytes() == (tmp_path / "l3.safetensors").read_bytes()
+    import _s3server
+
+    c = _s3server.client(s3.server.endpoint)
+    bucket, key = _s3server.split(s3 / "big.safetensors")
+    head = c.head_object(Bucket=bucket, Key=key)
+    assert head["ETag"].strip('"').endswith("-4"), head["ETag"]  # a multipart upload of 4 parts (8+8+8+header)
+    sizes = [c.head_object(Bucket=bucket, Key=key, PartNumber=n)["ContentLength"] for n in (1, 2, 3, 4)]
+    assert sizes[:3] == [8 << 20] * 3 and sum(sizes) == head["ContentLength"]
+
+
+def test_an_existing_output_is_refused_and_replaced_with_force(s3: S3Prefix) -> None:
+    _ok(run_ravex("convert", ZERO3, s3 / "dcp", "--to", "dcp"))
+    res = run_ravex("convert", ZERO3, s3 / "dcp", "--to", "dcp")
+    assert res.returncode != 0 and "already exists" in res.stderr and "--force" in res.stderr
+    _ok(run_ravex("convert", ZERO3, s3 / "dcp", "--to", "dcp", "--world-size", "3", "--force"))
+    assert sorted(k for k in s3.keys("dcp") if k.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+
+
+def _big_source(tmp_path: Path) -> Path:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    src = tmp_path / "src.safetensors"
+    save_file({f"t{i}": torch.randn(4 << 20, generator=g) for i in range(12)}, src)  # 192 MiB
+    return src
+
+
+def test_a_killed_upload_leaves_nothing_that_looks_complete(s3: S3Prefix, tmp_path: Path) -> None:
+    src = _big_source(tmp_path)
+    env = dict(os.environ, RAVEX_S3_IN_FLIGHT="1", RAVEX_S3_PART_MB="5")
+    proc = subprocess.Popen([ravex_bin(), "convert", str(src), s3 / "dcp", "--to", "dcp", "--world-size", "2"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not s3.unfinished("dcp") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the conversion ended before its upload could be interrupted"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert ".metadata" not in s3.keys("dcp")
+    for cmd in (["inspect", s3 / "dcp"], ["verify", s3 / "dcp", src], ["convert", s3 / "dcp", tmp_path / "x.safetensors"]):
+        res = run_ravex(*cmd)
+        assert res.returncode != 0, cmd
+        assert "Traceback" not in res.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+    # the rerun (with --force, since something is there) clears what the killed writer left
+    _ok(run_ravex("convert", src, s3 / "dcp", "--to", "dcp", "--world-size", "2", "--force"))
+    assert s3.unfinished("dcp") == []
+    _ok(run_ravex("verify", s3 / "dcp", src))
+
+
+def test_conditional_create_has_one_winner(s3: S3Prefix) -> None:
+    from ravex_convert.storage import PreconditionFailed, resolve
+    from ravex_convert.storage.base import ABSENT
+
+    storage, key = resolve(s3 / "race")
+    won: list[int] = []
+    lost: list[int] = []
+
+    def put(i: int) -> None:
+        try:
+            storage.put(key, f"writer {i}".encode(), if_generation=ABSENT)
+            won.append(i)
+        except PreconditionFailed:
+            lost.append(i)
+
+    threads = [threading.Thread(target=put, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and len(lost) == 7
+    data, gen = storage.get(key)
+    assert data == f"writer {won[0]}".encode()
+    with pytest.raises(PreconditionFailed):
+        storage.put(key, b"stale", if_generation='"not-the-etag"')
+    assert storage.put(key, b"next", if_generation=gen) != gen
+    # a retried put whose first attempt landed (the same bytes) is settled as its own
+    assert storage.put(key, b"next", if_generation=gen) is not None
+
+
+def test_a_lease_is_held_renewed_taken_over_and_released(s3: S3Prefix, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ravex_convert.storage import PreconditionFailed, resolve
+
+    storage, key = resolve(s3 / "lock")
+    with storage.lease(key, "run-a"):
+        with pytest.raises(PreconditionFailed, match="run run-a"):
+            with storage.lease(key, "run-b"):
+                pass
+    assert storage.stat(key) is None, "released with a conditional delete"
+    # a holder that stopped renewing (killed on another machine) is taken over after the TTL
+    note = json.dumps({"pid": 1, "host": "elsewhere", "run_id": "gone", "since_unix": time.time() - 100, "renewed_unix": time.time() - 100})
+    storage.put(key, note.encode())
+    monkeypatch.setenv("RAVEX_S3_LEASE_TTL", "300")
+    with pytest.raises(PreconditionFailed, match="run gone"):
+        with storage.lease(key, "run-c"):
+            pass
+    monkeypatch.setenv("RAVEX_S3_LEASE_TTL", "30")
+    with storage.lease(key, "run-c"):
+        held = json.loads(storage.get(key)[0])
+        assert held["run_id"] == "run-c"
+        # another writer replaces it meanwhile: the release must not delete theirs
+        storage.put(key, b'{"run_id": "intruder"}')
+    assert json.loads(storage.get(key)[0])["run_id"] == "intruder"
+
+
+def _cli_fails(res: subprocess.CompletedProcess[str], *needles: str) -> str:
+    text = res.stdout + res.stderr
+    assert res.returncode not in (0, 1), text  # 1 is an internal error
+    assert "Traceback" not in text
+    for n in needles:
+        assert n in text, text
+    return text
+
+
+def test_errors_name_the_url_and_never_the_credentials(s3: S3Prefix, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import _s3server
+
+    s3.upload(ZERO3, "src")
+    missing = _cli_fails(run_ravex("inspect", s3 / "nothing-here"), s3 / "nothing-here")
+    assert "no such" in missing
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "a-wrong-secret-key-value")
+    monkeypatch.setenv("RAVEX_S3_RETRIES", "0")
+    denied = _cli_fails(run_ravex("inspect", s3 / "src"), "s3://", "credentials")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", _s3server.SECRET_KEY)
+    nob = _cli_fails(run_ravex("inspect", "s3://no-such-bucket/x"), "no-such-bucket", "does not exist")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    t0 = time.monotonic()
+    unreachable = _cli_fails(run_ravex("convert", ZERO3, s3 / "out.safetensors"), "cannot reach", "AWS_ENDPOINT_URL")
+    assert time.monotonic() - t0 < 30
+    bad_json = run_ravex("inspect", s3 / "src", "--json")
+    for text in (missing, denied, nob, unreachable, bad_json.stdout + bad_json.stderr):
+        assert _s3server.SECRET_KEY not in text and "a-wrong-secret-key-value" not in text
+        assert _s3server.ACCESS_KEY not in text.replace("ravex-test-", "")  # the key id only as part of a test prefix name
+
+
+def test_nothing_stored_holds_a_credential(s3: S3Prefix, tmp_path: Path) -> None:
+    import _s3server
+
+    _ok(run_ravex("convert", FSDP2, s3 / "store", "--to", "native"))
+    got = s3.download("store", tmp_path / "store")
+    for rel, data in _tree(got).items():
+        assert _s3server.SECRET_KEY.encode() not in data, rel
+        assert _s3server.ACCESS_KEY.encode() + b'"' not in data, rel
+
+
+def test_the_test_server_stays_on_loopback(s3: S3Prefix) -> None:
+    listening = s3.server.listening()
+    assert listening and all(addr in ("127.0.0.1", "::ffff:127.0.0.1") for addr, _ in listening), listening
+    assert all(addr in ("127.0.0.1", "::ffff:127.0.0.1") for addr, _ in s3.server.connected())
+
+
+def test_torchrun_ranks_stream_their_share_and_rank0_commits(s3: S3Prefix, tmp_path: Path) -> None:
+    from _launch import launch
+
+    _ok(run_ravex("convert", ZERO3, tmp_path / "one", "--to", "dcp", "--world-size", "4"))
+    res = launch(2, ["-m", "ravex", "convert", str(ZERO3), s3 / "dcp", "--to", "dcp", "--world-size", "4"], cwd=tmp_path,
+                 env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    both = {k: v for k, v in _tree(s3.download("dcp", tmp_path / "two")).items() if k != ".metadata"}
+    assert both == {k: v for k, v in _tree(tmp_path / "one").items() if k != ".metadata"}
+    _ok(run_ravex("verify", s3 / "dcp", tmp_path / "one"))
+
+
+def _run(code: str, **env: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True, timeout=120, check=False)
