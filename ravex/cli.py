@@ -506,6 +506,10 @@ def status_cmd(path: str | None, as_json: bool) -> None:
         _say(f"checkpoint {began['index']}: the run began from the {b.get('format')} checkpoint {b.get('path')}{step} (resume_from)")
     resume = st["resume"]
     _say("resume would pick: " + (f"checkpoint {resume}" if resume is not None else "nothing (a run starts from the beginning)"))
+    left = st.get("unfinished_uploads")
+    if left:
+        _say(f"note: {left} unfinished multipart upload(s) under the store (a writer was killed mid-upload); they are not "
+             "checkpoints, the bucket bills their parts, and the next write to the store aborts them")
 
 if __name__ == "__main__":
     main()

@@ -241,7 +241,9 @@ def restore(path: str | Path | None = None, index: int = -1, *, weights_only: bo
     rt = _current
     if rt is None:
         raise RavexError("ravex.restore() is called outside a @ravex.train_loop function", hint="call it inside the decorated function")
-    store = Path(path) if path is not None else rt.store
+    from ravex_convert.storage import as_path
+
+    store = as_path(path) if path is not None else rt.store
     ckpt, tensors = load_checkpoint(store, index)
     # All or nothing: a checkpoint that does not fit the live objects raises with none of them touched
     # (and the automatic resume, if still due, still happens at the first iteration boundary).

@@ -38,10 +38,18 @@ class Config:
     log_file: Path | None = None
     sharded_checkpoints: str = "gather"
     source: str = "defaults"  # the file the configuration came from, for messages
+    # storage.type s3 / r2 spelled out (storage.path s3://bucket/prefix says the same)
+    storage_bucket: str | None = None
+    storage_prefix: str | None = None
+    storage_endpoint: str | None = None
+    storage_region: str | None = None
 
     @property
     def store(self) -> str | Path:
-        """The store as the writers take it: the path, or ``objdir:PATH`` (object-store semantics)."""
+        """The store as the writers take it: the path, ``objdir:PATH`` (object-store semantics),
+        or ``s3://bucket/prefix``."""
+        if self.storage_type in _BUCKETS:
+            return str(self.storage_path)
         return f"objdir:{self.storage_path}" if self.storage_type == "objdir" else self.storage_path
 
 
@@ -52,6 +60,10 @@ _KEYS: dict[str, str] = {
     "compression": "compression",
     "storage.type": "storage_type",
     "storage.path": "path",
+    "storage.bucket": "bucket",
+    "storage.prefix": "prefix",
+    "storage.endpoint": "endpoint",
+    "storage.region": "region",
     "keep_last": "int+?",
     "max_steps": "int+?",
     "resume_from": "resume",
@@ -60,9 +72,12 @@ _KEYS: dict[str, str] = {
     "sharded_checkpoints": "sharded_checkpoints",
 }
 _LATER = {"replicate_every"}
-_CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "storage_type": ("local", "objdir"),
+_CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "storage_type": ("local", "objdir", "s3", "r2"),
             "sharded_checkpoints": ("gather", "per_rank")}
-_LATER_STORAGE = ("s3", "r2")
+_BUCKETS = ("s3", "r2")
+_S3 = "s3://"
+# never read from ravex.yaml (a file that is copied around and committed): the environment only
+_CREDENTIALS = {"access_key", "secret_key", "access_key_id", "secret_access_key", "session_token", "token", "password", "credentials"}
 _ENV = {"RAVEX_" + k.upper().replace(".", "_"): k for k in [*_KEYS, *_LATER]}
 # not settings, but Ravex's own: the on/off switch, the set-up scripts' venv path, the storage
 # switch of the test suite (RAVEX_STORAGE=objdir: every plain path through the objdir backend),
@@ -127,9 +142,15 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise bad("expected a positive integer" + (" or null" if kind == "int+?" else ""))
         return value
+    if kind in ("bucket", "prefix", "endpoint", "region"):
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise bad(f"expected a {kind} name")
+        if kind == "endpoint" and not value.startswith(("http://", "https://")):
+            raise bad("expected a URL (https://..., or http://... for a server you run)")
+        return value.strip().strip("/") if kind == "prefix" else value.strip()
     if kind in ("backend", "compression", "storage_type", "sharded_checkpoints"):
-        if kind == "storage_type" and value in _LATER_STORAGE:
-            raise ConfigError(f"{name} is {value!r}: remote storage is not supported yet", hint="use storage.type: local (the default)")
         choices = _CHOICES[kind]
         if value not in choices:
             raise bad(f"expected one of {', '.join(choices)}")
@@ -140,6 +161,15 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
         if not isinstance(value, str) or not value:
             raise bad("expected a path")
         text = value
+        if key == "storage.path" and value.startswith(_S3):
+            from ravex_convert.storage import as_path
+            from ravex_convert.storage.s3 import split
+
+            try:
+                split(value)
+            except RavexError as exc:
+                raise bad(f"not an S3 location ({exc.message})") from None
+            return as_path(value)
         if key == "storage.path" and value.startswith(_OBJDIR):
             text = value[len(_OBJDIR):].removeprefix("//")  # objdir:PATH, objdir:///abs/path: see _apply
             if not text:
@@ -162,6 +192,10 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
 
 def _apply(cfg: Config, values: dict[str, Any], where: str, base: Path, env: bool) -> None:
     for key, raw in values.items():
+        if key.startswith("storage.") and key[len("storage."):].lower() in _CREDENTIALS:
+            raise ConfigError(f"{where}: {key}: Ravex never reads credentials from its configuration",
+                              hint=f"remove {key}; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or RAVEX_S3_ACCESS_KEY / "
+                                   "RAVEX_S3_SECRET_KEY) in the job's environment")
         if key in _LATER or (key.startswith("storage.") and key[len("storage."):] in _LATER):
             raise ConfigError(f"{where}: {key} is not supported yet (local storage only)", hint=f"remove {key}")
         if key not in _KEYS:
@@ -171,6 +205,8 @@ def _apply(cfg: Config, values: dict[str, Any], where: str, base: Path, env: boo
         setattr(cfg, key.replace(".", "_"), value)
         if key == "storage.path" and isinstance(raw, str) and raw.startswith(_OBJDIR):
             cfg.storage_type = "objdir"  # the object-store-semantics backend, spelled in the path as the CLI takes it
+        if key == "storage.path" and isinstance(raw, str) and raw.startswith(_S3) and cfg.storage_type not in _BUCKETS:
+            cfg.storage_type = "s3"
 
 
 def override(cfg: Config, given: dict[str, Any], where: str) -> Config:
@@ -210,4 +246,42 @@ def load_config(cwd: Path | None = None, environ: dict[str, str] | None = None) 
             raise ConfigError(f"environment variable {var}: not a Ravex setting",
                               hint=f"known: {', '.join(sorted([*_ENV, *_ENV_OTHER]))}; unset it")
         _apply(cfg, {_ENV[var]: environ[var]}, f"environment variable {var}", cwd, env=True)
+    _bucket_location(cfg)
     return cfg
+
+
+def _bucket_location(cfg: Config) -> None:
+    """``storage.type: s3`` (or ``r2``) with ``bucket`` and ``prefix``: the store's s3:// path, and
+    the endpoint and region the client uses; refused where the pieces do not fit together."""
+    spelled = cfg.storage_bucket is not None or cfg.storage_prefix is not None
+    where = cfg.source
+    if cfg.storage_type not in _BUCKETS:
+        extra = [k for k, v in (("bucket", cfg.storage_bucket), ("prefix", cfg.storage_prefix), ("endpoint", cfg.storage_endpoint),
+                                ("region", cfg.storage_region)) if v is not None]
+        if extra:
+            raise ConfigError(f"{where}: storage.{extra[0]} is set but storage.type is {cfg.storage_type}",
+                              hint="set storage.type: s3 (or r2), or remove it")
+        return
+    if spelled:
+        if not cfg.storage_bucket:
+            raise ConfigError(f"{where}: storage.type is {cfg.storage_type} but storage.bucket is not set",
+                              hint="storage:\n  type: s3\n  bucket: my-bucket\n  prefix: runs/exp7   (or path: s3://my-bucket/runs/exp7)")
+        from ravex_convert.storage import as_path
+
+        url = f"{_S3}{cfg.storage_bucket}/{cfg.storage_prefix or 'ravex_checkpoints'}"
+        try:
+            from ravex_convert.storage.s3 import split
+
+            split(url)
+        except RavexError as exc:
+            raise ConfigError(f"{where}: storage.bucket / storage.prefix: {exc.message}", hint=exc.hint or "") from None
+        cfg.storage_path = as_path(url)
+    elif not str(cfg.storage_path).startswith(_S3):
+        raise ConfigError(f"{where}: storage.type is {cfg.storage_type} but storage.path is {cfg.storage_path}",
+                          hint="give storage.path: s3://BUCKET/PREFIX, or storage.bucket and storage.prefix")
+    if cfg.storage_type == "r2" and not (cfg.storage_endpoint or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("RAVEX_S3_ENDPOINT")):
+        raise ConfigError(f"{where}: storage.type is r2 but no endpoint is given",
+                          hint="set storage.endpoint: https://<account id>.r2.cloudflarestorage.com (or AWS_ENDPOINT_URL)")
+    from ravex_convert.storage.s3 import configure, split
+
+    configure(split(str(cfg.storage_path))[0], endpoint=cfg.storage_endpoint, region=cfg.storage_region or ("auto" if cfg.storage_type == "r2" else None))

@@ -30,6 +30,7 @@ import torch
 
 from ravex_convert.errors import RavexError
 from ravex_convert.model import Checkpoint
+from ravex_convert.storage import as_path
 
 from ._passthrough import Counted
 from .config import Config, load_config, override
@@ -106,7 +107,7 @@ class Session:
         given = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in keywords.items()
                  if not isinstance(v, _Unset) and (v is not None or k in ("keep_last", "resume_from"))}  # None is a value of these two
         self.config = cfg = override(load_config() if config is None else config, given, "ravex.Session()")
-        self.path = Path(cfg.storage_path)  # where the store's bytes are read (an objdir store's local view)
+        self.path = as_path(cfg.storage_path)  # where the store's bytes are read (an objdir store's local view, an S3Path)
         self.dst: str | Path = cfg.store  # the store as the writers and the storage layer take it
         topo = topology()
         self._job = Job(run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8], topo.rank, topo.world_size)

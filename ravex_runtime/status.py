@@ -76,7 +76,7 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
     ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint)."""
     from ravex_convert._paths import inside
     from ravex_convert.formats.native.reader import CHECKPOINT, MANIFEST, STORE_MARKER, read_manifest
-    from ravex_convert.storage import local_view
+    from ravex_convert.storage import is_remote, local_view, resolve
 
     store = local_view(path) if path is not None else _default_store()
     if not (store / STORE_MARKER).is_file():
@@ -102,5 +102,10 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
         if problem is None:
             resume = e.get("index")
     cfg = find_config_file()
-    return {"store": str(store), "config": str(cfg) if cfg else None, "checkpoints": rows, "resume": resume,
-            "note": "a resume verifies checksums and falls back to the previous checkpoint when the newest is damaged"}
+    out = {"store": str(store), "config": str(cfg) if cfg else None, "checkpoints": rows, "resume": resume,
+           "note": "a resume verifies checksums and falls back to the previous checkpoint when the newest is damaged"}
+    if is_remote(store):
+        # multipart uploads a killed writer left (invisible, billed, aborted by the next write to the store)
+        storage, key = resolve(str(store))
+        out["unfinished_uploads"] = len(storage.unfinished(key))  # type: ignore[attr-defined]
+    return out

@@ -115,6 +115,41 @@ def start(root: Path, bucket: str = "ckpt") -> S3Server:
         time.sleep(0.2)
 
 
+def start_moto(root: Path, bucket: str = "ckpt") -> S3Server:
+    """Start moto's S3 server (``moto[server]``, pinned in constraints.txt) on a free port of
+    127.0.0.1, in a process of its own, with ``bucket`` created; the same surface as ``start``.
+
+    A second S3 implementation, for the rules where servers differ: moto answers 404
+    NoSuchKey to an ``If-Match`` PUT on a missing key, as AWS does, where SeaweedFS answers
+    412. Moto does **not** check signatures (any credentials are accepted), keeps objects in
+    memory, and sends nothing anywhere (no telemetry; it binds only the host it is given)."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = _free_ports(1)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "MOTO_"))}
+    env.update({"HOME": str(root), "MOTO_PORT": str(port), "PYTHONWARNINGS": "ignore"})
+    log = root / "moto.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True,
+                                preexec_fn=_die_with_parent)  # noqa: PLW1509 - ctypes call only
+    server = S3Server(proc, root, port, bucket, log)
+    from botocore.exceptions import BotoCoreError
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto_server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        with contextlib.suppress(OSError, BotoCoreError):
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                pass
+            client(server.endpoint).create_bucket(Bucket=bucket)
+            return server
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"moto_server did not serve S3 in {START_TIMEOUT_S:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.1)
+
+
 def _die_with_parent() -> None:
     """In the server's process before exec: a test run killed outright takes its server along."""
     import ctypes

@@ -97,9 +97,14 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture
-def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[S3Prefix]:
+def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> S3Prefix:
     """A prefix of this test's own in the session's bucket, and the environment a user of an
     S3-compatible store sets (AWS_* credentials and AWS_ENDPOINT_URL; nothing else)."""
+    return s3_prefix(s3_server, monkeypatch, request)
+
+
+def s3_prefix(server: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> S3Prefix:
+    """The body of the ``s3`` fixture (integration/ defines the fixture again over it)."""
     import re
     import uuid
 
@@ -109,11 +114,11 @@ def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureR
         if k.startswith(("AWS_", "RAVEX_S3_")):
             monkeypatch.delenv(k)
     env = {"AWS_ACCESS_KEY_ID": _s3server.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": _s3server.SECRET_KEY,
-           "AWS_ENDPOINT_URL": s3_server.endpoint, "AWS_REGION": "us-east-1"}
+           "AWS_ENDPOINT_URL": server.endpoint, "AWS_REGION": "us-east-1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:48]
-    yield S3Prefix(s3_server, f"s3://{s3_server.bucket}/t/{name}-{uuid.uuid4().hex[:8]}", env)
+    return S3Prefix(server, f"s3://{server.bucket}/t/{name}-{uuid.uuid4().hex[:8]}", env)
 
 
 class S3Prefix:

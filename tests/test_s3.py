@@ -196,18 +196,15 @@ def test_a_lease_is_held_renewed_taken_over_and_released(s3: S3Prefix, monkeypat
     from ravex_convert.storage import PreconditionFailed, resolve
 
     storage, key = resolve(s3 / "lock")
-    with storage.lease(key, "run-a"):
-        with pytest.raises(PreconditionFailed, match="run run-a"):
-            with storage.lease(key, "run-b"):
-                pass
+    with storage.lease(key, "run-a"), pytest.raises(PreconditionFailed, match="run run-a"), storage.lease(key, "run-b"):
+        pass
     assert storage.stat(key) is None, "released with a conditional delete"
     # a holder that stopped renewing (killed on another machine) is taken over after the TTL
     note = json.dumps({"pid": 1, "host": "elsewhere", "run_id": "gone", "since_unix": time.time() - 100, "renewed_unix": time.time() - 100})
     storage.put(key, note.encode())
     monkeypatch.setenv("RAVEX_S3_LEASE_TTL", "300")
-    with pytest.raises(PreconditionFailed, match="run gone"):
-        with storage.lease(key, "run-c"):
-            pass
+    with pytest.raises(PreconditionFailed, match="run gone"), storage.lease(key, "run-c"):
+        pass
     monkeypatch.setenv("RAVEX_S3_LEASE_TTL", "30")
     with storage.lease(key, "run-c"):
         held = json.loads(storage.get(key)[0])

@@ -47,12 +47,13 @@ from .. import _core
 from ..errors import RavexError
 from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note
 
-__all__ = ["SCHEME", "S3Path", "S3Storage", "bucket", "is_s3", "split", "storage_error"]
+__all__ = ["SCHEME", "S3Path", "S3Storage", "bucket", "configure", "is_s3", "split", "storage_error"]
 
 SCHEME = "s3://"
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-# listings a reader asked for, kept briefly: a conversion asks the same directory many times
-_LISTING_TTL_S = 10.0
+# listings a reader asked for, kept briefly: detection and a reader ask about the same directory
+# many times within a second; this process's own writes to the bucket drop them at once
+_LISTING_TTL_S = 2.0
 
 
 def is_s3(text: str | os.PathLike[str]) -> bool:
@@ -95,15 +96,23 @@ def _number(name: str, default: float) -> float:
 
 _clients: dict[tuple[Any, ...], Any] = {}
 _clients_lock = threading.Lock()
+_configured: dict[str, tuple[str | None, str | None]] = {}  # bucket -> (endpoint, region) a run's configuration gave
+
+
+def configure(name: str, *, endpoint: str | None = None, region: str | None = None) -> None:
+    """Where bucket ``name`` is, as a run's configuration says (``storage.endpoint``,
+    ``storage.region``); the environment's values are used where these are None."""
+    _configured[name] = (endpoint, region)
 
 
 def bucket(name: str) -> Any:
     """The client of bucket ``name`` in this process, configured from the environment."""
-    endpoint = _env("RAVEX_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    given_endpoint, given_region = _configured.get(name, (None, None))
+    endpoint = given_endpoint or _env("RAVEX_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
     access, secret = _env("RAVEX_S3_ACCESS_KEY"), _env("RAVEX_S3_SECRET_KEY")
     if bool(access) != bool(secret):
         raise RavexError("only one of RAVEX_S3_ACCESS_KEY and RAVEX_S3_SECRET_KEY is set", hint="set both, or neither (then the AWS_* variables are used)")
-    region = _env("AWS_REGION", "AWS_DEFAULT_REGION") or ("auto" if endpoint and ".r2.cloudflarestorage.com" in endpoint else "us-east-1")
+    region = given_region or _env("AWS_REGION", "AWS_DEFAULT_REGION") or ("auto" if endpoint and ".r2.cloudflarestorage.com" in endpoint else "us-east-1")
     part_size, in_flight, retries = int(_number("RAVEX_S3_PART_MB", 8) * (1 << 20)), int(_number("RAVEX_S3_IN_FLIGHT", 8)), int(_number("RAVEX_S3_RETRIES", 10))
     timeouts = (_number("RAVEX_S3_RETRY_TIMEOUT_S", 180), _number("RAVEX_S3_CONNECT_TIMEOUT_S", 5), _number("RAVEX_S3_TIMEOUT_S", 60))
     # the credentials are part of the key only as a hash: a client per set of credentials
