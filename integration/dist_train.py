@@ -30,7 +30,6 @@ import signal
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -188,13 +187,15 @@ def train(opts: dict[str, Any]) -> None:
 def store_digests(store: str) -> dict[int, str]:
     """Step -> :func:`digest` of the weights in each complete checkpoint of a native store (the
     test compares them with the reference's weights after that step)."""
+    from ravex_convert.storage import as_path
     from ravex_runtime.loading import load_checkpoint
 
-    manifest = json.loads((Path(store) / "manifest.json").read_text())
+    root = as_path(store)  # a directory, or a store in a bucket (s3://)
+    manifest = json.loads((root / "manifest.json").read_text())
     out = {}
     for e in manifest["checkpoints"]:
         if e.get("status") == "complete":
-            ckpt, tensors = load_checkpoint(Path(store), int(e["index"]))
+            ckpt, tensors = load_checkpoint(root, int(e["index"]))
             out[int(ckpt.step or 0)] = digest({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})[:16]
     return out
 
