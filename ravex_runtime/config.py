@@ -254,7 +254,7 @@ def _bucket_location(cfg: Config) -> None:
     """``storage.type: s3`` (or ``r2``) with ``bucket`` and ``prefix``: the store's s3:// path, and
     the endpoint and region the client uses; refused where the pieces do not fit together."""
     spelled = cfg.storage_bucket is not None or cfg.storage_prefix is not None
-    where = cfg.source
+    where = cfg.source if cfg.source != "defaults" else "the environment (RAVEX_STORAGE_*)"
     if cfg.storage_type not in _BUCKETS:
         extra = [k for k, v in (("bucket", cfg.storage_bucket), ("prefix", cfg.storage_prefix), ("endpoint", cfg.storage_endpoint),
                                 ("region", cfg.storage_region)) if v is not None]

@@ -46,8 +46,13 @@ def test_environment_overrides_the_file(tmp_path: Path) -> None:
     ("checkpoint_evry: 3\n", "unknown key 'checkpoint_evry'"),
     ("backend: pickle\n", "backend is 'pickle', expected one of native, torch_save"),
     ("compression: lz4\n", "compression is 'lz4'"),
-    ("storage:\n  type: s3\n", "storage.type is 's3': remote storage is not supported yet"),
-    ("storage:\n  type: r2\n", "not supported yet"),
+    ("storage:\n  type: s3\n", "storage.type is s3 but storage.path is"),
+    ("storage:\n  type: r2\n  bucket: runs\n", "storage.type is r2 but no endpoint is given"),
+    ("storage:\n  type: s3\n  prefix: runs\n", "storage.bucket is not set"),
+    ("storage:\n  bucket: runs\n", "storage.bucket is set but storage.type is local"),
+    ("storage:\n  type: s3\n  bucket: runs\n  secret_key: abc\n", "Ravex never reads credentials from its configuration"),
+    ("storage:\n  path: s3://Bad_Bucket/x\n", "not an S3 location"),
+    ("storage:\n  type: s3\n  bucket: b1\n  endpoint: ftp://x\n", "expected a URL"),
     ("replicate_every: 5\n", "replicate_every is not supported yet"),
     ("sharded_checkpoints: all\n", "sharded_checkpoints is 'all', expected one of gather, per_rank"),
     ("replicate_every: 2\n", "replicate_every is not supported yet"),
@@ -70,10 +75,20 @@ def test_bad_environment_values_name_the_variable(tmp_path: Path) -> None:
         load_config(tmp_path, environ={"RAVEX_CHECKPOINT_EVERY": "often"})
     with pytest.raises(ConfigError, match="RAVEX_CHECKPOINT_EVRY: not a Ravex setting"):
         load_config(tmp_path, environ={"RAVEX_CHECKPOINT_EVRY": "3"})
-    with pytest.raises(ConfigError, match="not supported yet"):
+    with pytest.raises(ConfigError, match="storage.type is s3 but storage.path is"):
         load_config(tmp_path, environ={"RAVEX_STORAGE_TYPE": "s3"})
     with pytest.raises(ConfigError, match="RAVEX_STORAGE_PATH: storage.path is 'objdir://', expected objdir:PATH"):
         load_config(tmp_path, environ={"RAVEX_STORAGE_PATH": "objdir://"})
+
+
+def test_a_store_in_a_bucket_is_spelled_as_a_path_or_as_bucket_and_prefix(tmp_path: Path) -> None:
+    cfg = load_config(tmp_path, environ={"RAVEX_STORAGE_PATH": "s3://ckpts/runs/exp7"})
+    assert (cfg.storage_type, cfg.store) == ("s3", "s3://ckpts/runs/exp7")
+    (tmp_path / "ravex.yaml").write_text("storage:\n  type: r2\n  bucket: ckpts\n  prefix: runs/exp7/\n  endpoint: https://acct.r2.cloudflarestorage.com\n")
+    cfg = load_config(tmp_path, environ={})
+    assert (cfg.storage_type, cfg.store, cfg.storage_endpoint) == ("r2", "s3://ckpts/runs/exp7", "https://acct.r2.cloudflarestorage.com")
+    cfg = load_config(tmp_path, environ={"RAVEX_STORAGE_TYPE": "s3", "RAVEX_STORAGE_BUCKET": "runs"})  # the reference's spelling
+    assert cfg.store == "s3://runs/runs/exp7"
 
 
 def test_an_objdir_store_is_object_storage_not_a_directory_named_objdir(tmp_path: Path) -> None:
