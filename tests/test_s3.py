@@ -274,3 +274,51 @@ def test_torchrun_ranks_stream_their_share_and_rank0_commits(s3: S3Prefix, tmp_p
 
 def _run(code: str, **env: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True, timeout=120, check=False)
+
+
+# Every writer, in process, from three kinds of source: the bucket's objects are the bytes the same
+# conversion writes to disk (files whose bytes record the run or the place they were written are
+# compared by `verify` instead: DCP's .metadata, a store's marker, manifest and checkpoint.json).
+WRITERS = [
+    ("safetensors", "o.safetensors", {}, {}),
+    ("safetensors", "sharded", {}, {"max_shard_size": 20_000}),
+    ("torch_save", "o.pt", {}, {}),
+    ("torch_save", "src-layout.pt", {}, {"layout": "source"}),
+    ("dcp", "dcp", {"world_size": 3}, {}),
+    ("zero", "zero1", {"world_size": 2}, {"zero_stage": 1}),
+    ("zero", "zero3", {"world_size": 3}, {"zero_stage": 3}),
+    ("native", "store", {}, {}),
+    ("native", "storez", {}, {"compression": "zstd"}),
+    ("hf_trainer", "checkpoint-3", {}, {}),
+    ("accelerate", "acc", {}, {}),
+]
+_RECORDS_WHERE_OR_WHEN = {".metadata", "ravex-store.json", "manifest.json", "checkpoint.json"}
+
+
+@pytest.mark.parametrize("source", ["zero2_ws2_bf16", "fsdp2_ws2", "torch_save"])
+def test_every_writer_writes_to_a_bucket_what_it_writes_to_disk(source: str, s3: S3Prefix, tmp_path: Path) -> None:
+    from ravex_convert import convert, verify
+    from ravex_convert.convert import ConvertOptions
+
+    src = _source(source)
+    for to, name, opts, writer in WRITERS:
+        if to == "torch_save" and writer.get("layout") == "source" and source != "torch_save":
+            continue
+        local = tmp_path / "local" / name
+        local.parent.mkdir(exist_ok=True)
+        try:
+            convert(src, local, to, ConvertOptions(**opts), writer=writer)
+        except Exception as exc:  # noqa: BLE001 - a pairing the writer refuses on disk is refused in the bucket too
+            with pytest.raises(type(exc)):
+                convert(src, s3 / name, to, ConvertOptions(**opts), writer=writer)
+            continue
+        convert(src, s3 / name, to, ConvertOptions(**opts), writer=writer)
+        got = _tree(s3.download(name, tmp_path / "remote" / name))
+        want = _tree(local)
+        assert sorted(got) == sorted(k for k in want if k != "lock"), (to, name)  # (a local store's flock file)
+        for rel in got:
+            if rel.rsplit("/", 1)[-1] not in _RECORDS_WHERE_OR_WHEN:
+                assert got[rel] == want[rel], (to, name, rel)
+        # (an HF Trainer or Accelerate optimizer file keys parameters by position: its bytes were compared above)
+        assert verify(s3 / name, local, weights_only=to in ("hf_trainer", "accelerate")).identical, (to, name)
+    assert s3.unfinished() == []
