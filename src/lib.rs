@@ -24,6 +24,7 @@ pub mod parts;
 pub mod plan;
 #[cfg(feature = "remote")]
 pub mod remote;
+pub mod s3text;
 
 #[cfg(test)]
 mod exec_tests;

@@ -41,28 +41,13 @@ use object_store::{
 
 use crate::files::{ReadAt, WriteAt};
 use crate::parts::PartPlan;
+pub use crate::s3text::Kind;
+use crate::s3text::{classify, element, elements, last_reason, scrub, short, xml_text};
 
 /// Reads smaller than this go through the block cache.
 const BLOCK: u64 = 8 << 20;
 /// Blocks the cache of one bucket holds.
 const CACHED_BLOCKS: usize = 8;
-
-/// What went wrong, in kinds the Python side maps to its errors.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Kind {
-    NotFound,
-    /// A conditional put or delete lost (412), or the object already exists.
-    Precondition,
-    /// 403, or credentials refused or missing.
-    Denied,
-    /// The bucket does not exist.
-    NoBucket,
-    /// Could not reach the server, or it stopped answering.
-    Unreachable,
-    /// An argument Ravex cannot send (a key S3 cannot hold, an object too large).
-    Invalid,
-    Other,
-}
 
 #[derive(Debug, Clone)]
 pub struct RemoteError {
@@ -332,27 +317,7 @@ impl Bucket {
     }
 
     fn scrub(&self, text: &str) -> String {
-        let mut t = text.to_string();
-        for s in &self.secrets {
-            t = t.replace(s.as_str(), "***");
-        }
-        // a presigned URL's signature and credential scope are secrets too
-        for marker in [
-            "X-Amz-Signature=",
-            "X-Amz-Credential=",
-            "X-Amz-Security-Token=",
-        ] {
-            let mut from = 0;
-            while let Some(i) = t[from..].find(marker) {
-                let start = from + i + marker.len();
-                let end = t[start..]
-                    .find(|c: char| c == '&' || c.is_whitespace() || c == '"' || c == ')')
-                    .map_or(t.len(), |j| start + j);
-                t.replace_range(start..end, "***");
-                from = start + 3;
-            }
-        }
-        t
+        scrub(text, &self.secrets)
     }
 
     fn error(&self, url: &str, e: object_store::Error) -> RemoteError {
@@ -378,8 +343,11 @@ impl Bucket {
                 "the object is not as this writer last saw it (a conditional request lost)"
                     .to_string()
             }
-            Kind::Denied => format!("access denied: {}", short(&chain)),
-            Kind::Unreachable => format!("cannot reach the server: {}", short(&chain)),
+            Kind::Denied => format!(
+                "access denied ({})",
+                element(&chain, "Code").unwrap_or("403 Forbidden")
+            ),
+            Kind::Unreachable => format!("cannot reach the server ({})", last_reason(&chain)),
             _ => short(&text),
         };
         RemoteError {
@@ -732,73 +700,6 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
-}
-
-fn classify(text: &str) -> Kind {
-    let t = text.to_ascii_lowercase();
-    if t.contains("nosuchbucket") {
-        Kind::NoBucket
-    } else if t.contains("403")
-        || t.contains("accessdenied")
-        || t.contains("invalidaccesskeyid")
-        || t.contains("signaturedoesnotmatch")
-        || t.contains("credential")
-    {
-        Kind::Denied
-    } else if t.contains("connection refused")
-        || t.contains("error sending request")
-        || t.contains("timed out")
-        || t.contains("timeout")
-        || t.contains("dns error")
-        || t.contains("connection reset")
-        || t.contains("connection closed")
-        || t.contains("broken pipe")
-        || t.contains("retry")
-    {
-        Kind::Unreachable
-    } else {
-        Kind::Other
-    }
-}
-
-/// One line, at most 300 characters.
-fn short(text: &str) -> String {
-    let line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    if line.chars().count() > 300 {
-        format!("{}…", line.chars().take(300).collect::<String>())
-    } else {
-        line
-    }
-}
-
-/// The text of each `<name>…</name>` element of an S3 XML answer.
-fn elements<'a>(xml: &'a str, name: &str) -> Vec<&'a str> {
-    let (open, close) = (format!("<{name}>"), format!("</{name}>"));
-    let mut found = Vec::new();
-    let mut rest = xml;
-    while let Some(i) = rest.find(&open) {
-        let body = &rest[i + open.len()..];
-        match body.find(&close) {
-            Some(j) => {
-                found.push(&body[..j]);
-                rest = &body[j + close.len()..];
-            }
-            None => break,
-        }
-    }
-    found
-}
-
-fn element<'a>(xml: &'a str, name: &str) -> Option<&'a str> {
-    elements(xml, name).into_iter().next()
-}
-
-fn xml_text(s: &str) -> String {
-    s.replace("&lt;", "<")
-        .replace("&gt;", ">")
-        .replace("&quot;", "\"")
-        .replace("&apos;", "'")
-        .replace("&amp;", "&")
 }
 
 /// An object the executor reads by range.
