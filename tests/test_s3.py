@@ -322,3 +322,20 @@ def test_every_writer_writes_to_a_bucket_what_it_writes_to_disk(source: str, s3:
         # (an HF Trainer or Accelerate optimizer file keys parameters by position: its bytes were compared above)
         assert verify(s3 / name, local, weights_only=to in ("hf_trainer", "accelerate")).identical, (to, name)
     assert s3.unfinished() == []
+
+
+@pytest.mark.parametrize("where", ["../outside/00000000", "/outside/00000000", "checkpoints/../../outside/00000000"])
+def test_a_store_in_a_bucket_naming_keys_outside_its_prefix_is_refused(where: str, s3: S3Prefix, tmp_path: Path) -> None:
+    """Item 6: a manifest entry's ``dir`` never reaches outside the store's prefix, on a bucket as
+    on disk: every command refuses the store (exit 7) and reads nothing from the other prefix."""
+    _ok(run_ravex("convert", ZERO3, tmp_path / "store", "--to", "native"))
+    s3.upload(tmp_path / "store" / "checkpoints" / "00000000", "outside/00000000")
+    m = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    m["checkpoints"][0]["dir"] = where
+    (tmp_path / "store" / "manifest.json").write_text(json.dumps(m))
+    url = s3.upload(tmp_path / "store", "store")
+    for command, args in {"status": [url], "inspect": [url], "verify": [url, url], "convert": [url, tmp_path / "out.safetensors"]}.items():
+        res = run_ravex(command, *args)
+        assert res.returncode == 7, f"{command}: exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+        assert "hint:" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "out.safetensors").exists()
