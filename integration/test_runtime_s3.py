@@ -114,3 +114,40 @@ def test_a_store_on_the_bucket_is_taken_over_after_its_holder_was_killed(s3: S3P
     assert done.returncode == 0, done.stderr
     assert "another training run" not in done.stderr
     assert "run-lock" not in s3.keys("run")
+
+
+def test_a_run_whose_bucket_goes_away_keeps_training_and_says_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      request: pytest.FixtureRequest) -> None:
+    """The server dies after the first checkpoints went up: the run trains to the end with the same
+    losses as the run that was never interrupted, and says once that checkpoints stopped."""
+    server = _s3server.start(tmp_path / "own-server")  # this test's own: it is killed
+    try:
+        s3 = s3_prefix(server, monkeypatch, request)
+        logs = tmp_path / "logs"
+        logs.mkdir()
+        opts = {"shuffle": True, "sleep": 0.15}
+        ref = _run(_machine(tmp_path, "ref", _yaml(str(tmp_path / "local-store"))), logs, "ref", opts)
+        assert ref.returncode == 0, ref.stderr
+        d = _machine(tmp_path, "m", _yaml(s3 / "run"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAVEX_") and k != "KILL_AT_STEP"}
+        env.update({"OMP_NUM_THREADS": "1", "RAVEX_S3_RETRIES": "1", "RAVEX_S3_RETRY_TIMEOUT_S": "3", "RAVEX_S3_TIMEOUT_S": "3",
+                    "RAVEX_S3_CONNECT_TIMEOUT_S": "1"})
+        p = subprocess.Popen([sys.executable, "-P", str(d / "train.py"), json.dumps(opts), str(logs / "log-run.txt"), str(logs / "out-run.json")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=d)
+        import time
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and p.poll() is None:
+            if "manifest.json" in s3.keys("run") and len([k for k in s3.keys("run") if k.endswith("checkpoint.json")]) >= 1:
+                break
+            time.sleep(0.05)
+        server.proc.kill()  # the bucket is gone for good
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        assert out == ""
+        assert losses(logs, "run") == losses(logs, "ref")
+        assert err.count("disabled for the rest of this run") == 1, err
+        assert "Traceback" not in err
+        assert _s3server.SECRET_KEY not in err
+    finally:
+        server.stop()

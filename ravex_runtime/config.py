@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ravex_convert.errors import RavexError
+from ravex_convert.storage import S3_ENV
 
 __all__ = ["CONFIG_FILE", "Config", "ConfigError", "enabled", "find_config_file", "load_config", "override"]
 
@@ -85,7 +86,7 @@ _ENV = {"RAVEX_" + k.upper().replace(".", "_"): k for k in [*_KEYS, *_LATER]}
 # hint may tell a user to set one)
 _ENV_OTHER = {"RAVEX_ENABLED", "RAVEX_VENV", "RAVEX_STORAGE", "RAVEX_DEBUG", "RAVEX_NO_CRC", "RAVEX_DIRECT_IO",
               "RAVEX_MAX_PICKLE_BYTES", "RAVEX_MAX_PICKLE_OBJECTS", "RAVEX_MAX_JSON_DEPTH", "RAVEX_MAX_CHUNKS_PER_TENSOR",
-              "RAVEX_MAX_EXPANSION"}
+              "RAVEX_MAX_EXPANSION", *S3_ENV}
 _OBJDIR = "objdir:"
 
 

@@ -75,6 +75,10 @@ def test_bad_environment_values_name_the_variable(tmp_path: Path) -> None:
         load_config(tmp_path, environ={"RAVEX_CHECKPOINT_EVERY": "often"})
     with pytest.raises(ConfigError, match="RAVEX_CHECKPOINT_EVRY: not a Ravex setting"):
         load_config(tmp_path, environ={"RAVEX_CHECKPOINT_EVRY": "3"})
+    # the S3 client's own variables are not settings, and not refused; a misspelt one is
+    load_config(tmp_path, environ={"RAVEX_S3_PART_MB": "16", "RAVEX_S3_ACCESS_KEY": "k", "RAVEX_S3_SECRET_KEY": "s"})
+    with pytest.raises(ConfigError, match="RAVEX_S3_PARTS_MB: not a Ravex setting"):
+        load_config(tmp_path, environ={"RAVEX_S3_PARTS_MB": "16"})
     with pytest.raises(ConfigError, match="storage.type is s3 but storage.path is"):
         load_config(tmp_path, environ={"RAVEX_STORAGE_TYPE": "s3"})
     with pytest.raises(ConfigError, match="RAVEX_STORAGE_PATH: storage.path is 'objdir://', expected objdir:PATH"):
