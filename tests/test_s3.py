@@ -339,3 +339,17 @@ def test_a_store_in_a_bucket_naming_keys_outside_its_prefix_is_refused(where: st
         assert res.returncode == 7, f"{command}: exit {res.returncode}\n{res.stdout}\n{res.stderr}"
         assert "hint:" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_status_counts_uploads_a_killed_writer_left_and_the_next_write_aborts_them(s3: S3Prefix) -> None:
+    import _s3server
+
+    _ok(run_ravex("convert", ZERO3, s3 / "store", "--to", "native"))
+    bucket, key = _s3server.split(s3 / "store/checkpoints/00000001/rank00000.safetensors")
+    _s3server.client(s3.server.endpoint).create_multipart_upload(Bucket=bucket, Key=key)  # what a SIGKILL mid-upload leaves
+    st = json.loads(_ok(run_ravex("status", s3 / "store", "--json")).stdout)
+    assert st["unfinished_uploads"] == 1
+    assert "1 unfinished multipart upload(s)" in _ok(run_ravex("status", s3 / "store")).stdout
+    _ok(run_ravex("convert", FSDP2, s3 / "store", "--to", "native"))  # the next checkpoint of the store
+    assert s3.unfinished("store") == []
+    assert json.loads(_ok(run_ravex("status", s3 / "store", "--json")).stdout)["unfinished_uploads"] == 0
