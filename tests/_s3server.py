@@ -115,6 +115,23 @@ def start(root: Path, bucket: str = "ckpt") -> S3Server:
         time.sleep(0.2)
 
 
+def wait_for_bucket(server: S3Server, timeout: float = 30.0) -> None:
+    """Returns once a signed HEAD of the server's bucket succeeds: ``weed mini`` creates
+    ``-bucket`` a moment after its gateway first answers (0.5-0.65 s later, measured here)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    s3: Any = client(server.endpoint)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            s3.head_bucket(Bucket=server.bucket)
+            return
+        except (BotoCoreError, ClientError):
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
 def start_moto(root: Path, bucket: str = "ckpt") -> S3Server:
     """Start moto's S3 server (``moto[server]``, pinned in constraints.txt) on a free port of
     127.0.0.1, in a process of its own, with ``bucket`` created; the same surface as ``start``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -119,6 +120,49 @@ def s3_prefix(server: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.Fixt
         monkeypatch.setenv(k, v)
     name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:48]
     return S3Prefix(server, f"s3://{server.bucket}/t/{name}-{uuid.uuid4().hex[:8]}", env)
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A second S3 implementation (moto's server, tests/_s3server.py ``start_moto``) on
+    127.0.0.1 for the session: the rules where S3 servers differ are tested on both."""
+    import _s3server
+
+    server = _s3server.start_moto(tmp_path_factory.mktemp("moto"))
+    try:
+        yield server
+    finally:
+        # killed: its objects are in its memory, nothing to keep, and on SIGTERM its threaded
+        # server waits a few seconds for the test process's idle keep-alive connections
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+
+
+S3_SERVERS = ["seaweedfs", "moto"]
+
+
+@pytest.fixture(params=S3_SERVERS)
+def s3_each(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Prefix]:
+    """``s3``, once on each S3 implementation (SeaweedFS, moto). Moto does not check
+    signatures: a test of refused credentials belongs on SeaweedFS only."""
+    import re
+    import uuid
+
+    import _s3server
+
+    server = request.getfixturevalue("s3_server" if request.param == "seaweedfs" else "moto_server")
+    for k in list(os.environ):
+        if k.startswith(("AWS_", "RAVEX_S3_")):
+            monkeypatch.delenv(k)
+    env = {"AWS_ACCESS_KEY_ID": _s3server.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": _s3server.SECRET_KEY,
+           "AWS_ENDPOINT_URL": server.endpoint, "AWS_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:48]
+    yield S3Prefix(server, f"s3://{server.bucket}/t/{name}-{uuid.uuid4().hex[:8]}", env)
 
 
 class S3Prefix:
