@@ -425,7 +425,7 @@ def test_killed_job_resumes_bit_identically_on_every_rank(case: str, tmp_path: P
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     import _s3server
 
-    server = _s3server.start(tmp_path_factory.mktemp("s3"))
+    server = _s3server.session_server(tmp_path_factory.mktemp("s3"))
     yield server
     server.stop()
 

@@ -32,7 +32,7 @@ MAX_STEPS, EVERY = 14, 2
 
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    server = _s3server.start(tmp_path_factory.mktemp("s3"))
+    server = _s3server.session_server(tmp_path_factory.mktemp("s3"))
     yield server
     server.stop()
 

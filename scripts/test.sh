@@ -42,6 +42,24 @@ if [ "$fast" -eq 0 ]; then
   took
 fi
 
+echo "== S3 server for the tests: weed mini on 127.0.0.1 (tests/_s3server.py)"
+# One real S3-compatible server for the whole run (the tests' fixtures use it; each test takes a
+# prefix of its own). Loopback only, telemetry off; stopped when this script exits.
+s3dir=$(mktemp -d)
+"$venv/bin/python" tests/_s3server.py "$s3dir/server" "$s3dir/info" &
+s3pid=$!
+trap 'rm -f "$cargo_log"; kill "$s3pid" 2>/dev/null; wait "$s3pid" 2>/dev/null; rm -rf "$s3dir"' EXIT
+for _ in $(seq 600); do
+  [ -f "$s3dir/info" ] && break
+  kill -0 "$s3pid" 2>/dev/null || { echo "test.sh: the S3 server did not start" >&2; exit 1; }
+  sleep 0.1
+done
+[ -f "$s3dir/info" ] || { echo "test.sh: the S3 server did not start in 60 s" >&2; exit 1; }
+read -r WEED_TEST_ENDPOINT WEED_TEST_PID WEED_TEST_BUCKET < "$s3dir/info"
+export WEED_TEST_ENDPOINT WEED_TEST_PID WEED_TEST_BUCKET
+echo "S3 server at $WEED_TEST_ENDPOINT (pid $WEED_TEST_PID, bucket $WEED_TEST_BUCKET)"
+took
+
 echo "== pytest"
 # The `pytest` script (not `python -m pytest`) keeps the source tree off
 # sys.path, so the installed wheel is what gets tested. --durations: the slowest

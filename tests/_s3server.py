@@ -65,6 +65,8 @@ class S3Server:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
+        if isinstance(self.proc, _Running):
+            return  # scripts/test.sh's server: it stops it
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
@@ -107,7 +109,7 @@ def start(root: Path, bucket: str = "ckpt") -> S3Server:
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"weed mini exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
-        if _bucket_answers(server):
+        if _bucket_answers(server) and _bucket_lists(server):
             return server
         if time.monotonic() > deadline:
             server.stop()
@@ -167,6 +169,52 @@ def start_moto(root: Path, bucket: str = "ckpt") -> S3Server:
         time.sleep(0.1)
 
 
+# The server scripts/test.sh starts for the whole test run (``python tests/_s3server.py DIR INFO``):
+# the fixtures use it where these are set, and start their own elsewhere (a single test file run
+# by hand). Not RAVEX_*: those would be taken for settings by the runtime's configuration.
+ENV_ENDPOINT, ENV_PID, ENV_BUCKET = "WEED_TEST_ENDPOINT", "WEED_TEST_PID", "WEED_TEST_BUCKET"
+
+
+class _Running:
+    """A server process this one did not start: its pid, to read its sockets; never stopped here."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return None if Path(f"/proc/{self.pid}").exists() else 0
+
+
+def session_server(root: Path) -> S3Server:
+    """The test run's server (scripts/test.sh's) where there is one, else a new one under ``root``."""
+    endpoint, pid, bucket = (os.environ.get(k) for k in (ENV_ENDPOINT, ENV_PID, ENV_BUCKET))
+    if endpoint and pid and bucket:
+        port = int(endpoint.rsplit(":", 1)[1])
+        return S3Server(_Running(int(pid)), root, port, bucket, root / "weed.log")  # type: ignore[arg-type]
+    return start(root)
+
+
+def _serve(root: Path, info: Path) -> None:
+    """Start a server, write ``ENDPOINT PID BUCKET`` to ``info``, and keep it until SIGTERM."""
+    server = start(root)
+    stopped = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopped
+        stopped = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    tmp = info.with_suffix(".tmp")
+    tmp.write_text(f"{server.endpoint} {server.proc.pid} {server.bucket}\n")
+    tmp.rename(info)
+    try:
+        while not stopped and server.proc.poll() is None:
+            time.sleep(0.5)
+    finally:
+        server.stop()
+
+
 def _die_with_parent() -> None:
     """In the server's process before exec: a test run killed outright takes its server along."""
     import ctypes
@@ -183,6 +231,16 @@ def _bucket_answers(server: S3Server) -> bool:
         e.close()
         return e.code == 403
     except OSError:
+        return False
+
+
+def _bucket_lists(server: S3Server) -> bool:
+    """A signed listing of the bucket succeeds: ``weed mini`` creates ``-bucket`` a moment after
+    its gateway answers, and a listing before that says NoSuchBucket."""
+    try:
+        client(server.endpoint).list_objects_v2(Bucket=server.bucket, MaxKeys=1)
+        return True
+    except Exception:  # noqa: BLE001 - not ready yet, whatever the error
         return False
 
 
@@ -275,3 +333,7 @@ def unfinished_uploads(endpoint: str, url: str) -> list[str]:
     s3: Any = client(endpoint)
     bucket, key = split(url)
     return sorted(u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", []))
+
+
+if __name__ == "__main__":
+    _serve(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -90,7 +90,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     each test takes a prefix of its own in its bucket."""
     import _s3server
 
-    server = _s3server.start(tmp_path_factory.mktemp("s3"))
+    server = _s3server.session_server(tmp_path_factory.mktemp("s3"))  # scripts/test.sh's, where it started one
     try:
         yield server
     finally:
