@@ -319,4 +319,5 @@ class S3Upload:
     def pwrite(self, data: bytes, offset: int) -> None: ...
     def close(self) -> str:
         """Complete the object and return its ETag (aborted on failure)."""
-    def abort(self) -> None: ...
+    def abort(self, cleanup: bool = True) -> None:
+        """Discard the upload; ``cleanup=False`` leaves it for the next writer to abort."""

@@ -135,6 +135,10 @@ def from_os_error(exc: OSError, *, path: str | Path | None = None, writing: bool
     """One :class:`FileSystemError` for an ``OSError``: ``<file>: <what failed>``
     and a hint for its errno. ``path`` names the file where the ``OSError``
     does not (or names a temporary one)."""
+    if type(exc).__name__ == "S3Error" and hasattr(exc, "kind"):  # the S3 client's (_core.S3Error), from any call
+        from .storage.s3 import storage_error
+
+        return storage_error(exc)
     where = exc.filename if exc.filename is not None else path
     if writing and exc.filename is not None and path is not None:
         # an OSError inside a write may still be about a source file

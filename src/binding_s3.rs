@@ -299,8 +299,11 @@ impl S3Upload {
         py.detach(|| self.inner.close()).map_err(|e| s3_err(&e))
     }
 
-    fn abort(&self, py: Python<'_>) {
-        py.detach(|| self.inner.abort())
+    /// Discards the upload; `cleanup=False` leaves it for the next writer to abort (a server that
+    /// stopped answering would only make this wait out its timeouts).
+    #[pyo3(signature = (cleanup=true))]
+    fn abort(&self, py: Python<'_>, cleanup: bool) {
+        py.detach(|| self.inner.abort_with(cleanup))
     }
 }
 

@@ -45,32 +45,94 @@ pub fn scrub(text: &str, secrets: &[String]) -> String {
     t
 }
 
-/// What kind of failure an error chain describes, from the words servers and
-/// HTTP clients use.
+/// The HTTP status a server answered, where the text records one ("… status code: 403 …").
+pub fn status(text: &str) -> Option<u16> {
+    let at = text.find("status code: ")? + "status code: ".len();
+    text[at..].get(..3)?.parse().ok()
+}
+
+/// `text` without its URLs: a key, a host or a port must never decide what an error is.
+fn without_urls(text: &str) -> String {
+    text.split_whitespace()
+        .filter(|w| !w.contains("://"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The S3 error codes that mean the credentials were refused.
+const DENIED: [&str; 6] = [
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+];
+
+/// What kind of failure an error chain describes: from the server's S3 error
+/// code and HTTP status where it answered, else from the words of the
+/// connection-level failure (never from a URL, a key or a port in the text).
 pub fn classify(text: &str) -> Kind {
-    let t = text.to_ascii_lowercase();
-    if t.contains("nosuchbucket") {
-        Kind::NoBucket
-    } else if t.contains("403")
-        || t.contains("accessdenied")
-        || t.contains("invalidaccesskeyid")
-        || t.contains("signaturedoesnotmatch")
-        || t.contains("credential")
-    {
-        Kind::Denied
-    } else if t.contains("connection refused")
-        || t.contains("error sending request")
-        || t.contains("timed out")
-        || t.contains("timeout")
-        || t.contains("dns error")
-        || t.contains("connection reset")
-        || t.contains("connection closed")
-        || t.contains("broken pipe")
-        || t.contains("retry")
-    {
+    let code = element(text, "Code");
+    if code == Some("NoSuchBucket") {
+        return Kind::NoBucket;
+    }
+    if code.is_some_and(|c| DENIED.contains(&c)) {
+        return Kind::Denied;
+    }
+    match status(text) {
+        Some(403) => return Kind::Denied,
+        Some(404) if code.is_none() || code == Some("NoSuchKey") => return Kind::NotFound,
+        Some(_) => return Kind::Other,
+        None => {}
+    }
+    let t = without_urls(text).to_ascii_lowercase();
+    let connection = [
+        "connection refused",
+        "error sending request",
+        "timed out",
+        "timeout",
+        "dns error",
+        "connection reset",
+        "connection closed",
+        "broken pipe",
+        "incomplete message",
+    ];
+    if connection.iter().any(|w| t.contains(w)) {
         Kind::Unreachable
+    } else if t.contains("credential") {
+        Kind::Denied // no credentials found, or the provider failed
     } else {
         Kind::Other
+    }
+}
+
+/// What a server answered, in a few words: "500 Internal Server Error (InternalError: …)".
+pub fn answer(text: &str) -> String {
+    let status = status(text).map_or(String::new(), |s| s.to_string());
+    let reason = text
+        .find("status code: ")
+        .and_then(|i| text[i..].split(':').nth(1))
+        .map(|r| {
+            r.trim()
+                .trim_start_matches(char::is_numeric)
+                .trim()
+                .to_string()
+        })
+        .unwrap_or_default();
+    let code = element(text, "Code").unwrap_or_default();
+    let message = element(text, "Message").unwrap_or_default();
+    let mut out = format!("{status} {reason}").trim().to_string();
+    if !code.is_empty() {
+        out.push_str(&format!(
+            " ({code}{}{message})",
+            if message.is_empty() { "" } else { ": " }
+        ));
+    }
+    if out.is_empty() {
+        last_reason(text)
+    } else {
+        short(&out)
     }
 }
 
@@ -138,17 +200,33 @@ mod tests {
 
     #[test]
     fn failures_are_told_apart() {
-        assert_eq!(classify("404 <Code>NoSuchBucket</Code>"), Kind::NoBucket);
+        let denied = "status code: 403 Forbidden: <Code>SignatureDoesNotMatch</Code>";
         assert_eq!(
-            classify("403 Forbidden <Code>SignatureDoesNotMatch</Code>"),
-            Kind::Denied
+            classify("status code: 404 Not Found: <Code>NoSuchBucket</Code>"),
+            Kind::NoBucket
         );
+        assert_eq!(classify(denied), Kind::Denied);
         assert_eq!(
             classify("tcp connect error: Connection refused (os error 111)"),
             Kind::Unreachable
         );
         assert_eq!(classify("operation timed out"), Kind::Unreachable);
-        assert_eq!(classify("500 Internal Server Error"), Kind::Other);
+        let failed = "Server returned non-2xx status code: 500 Internal Server Error: <Code>InternalError</Code>";
+        assert_eq!(classify(failed), Kind::Other);
+    }
+
+    #[test]
+    fn a_key_a_port_or_a_retry_count_decides_nothing() {
+        // a 500 on key run-403/obj, through a server on port 34037, after retries
+        let text = "Error performing PUT http://127.0.0.1:34037/ckpt/run-403/obj in 1.4031ms, after 3 retries, \
+                    max_retries: 3 - Server returned non-2xx status code: 500 Internal Server Error: <Code>InternalError</Code>";
+        assert_eq!(classify(text), Kind::Other);
+        assert_eq!(answer(text), "500 Internal Server Error (InternalError)");
+        let refused = "Error performing GET http://127.0.0.1:4031/timeout-403/x - HTTP error: error sending request: \
+                       client error (Connect): tcp connect error: Connection refused (os error 111)";
+        assert_eq!(classify(refused), Kind::Unreachable);
+        let on_a_key = "GET http://h/credential-403 failed: status code: 500 Internal Server Error";
+        assert_eq!(classify(on_a_key), Kind::Other);
     }
 
     #[test]

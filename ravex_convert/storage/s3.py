@@ -44,7 +44,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .. import _core
-from ..errors import RavexError
+from ..errors import FileSystemError, RavexError
 from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note
 
 __all__ = ["SCHEME", "S3Path", "S3Storage", "bucket", "configure", "is_s3", "split", "storage_error"]
@@ -144,16 +144,19 @@ _HINTS = {
 }
 
 
-def storage_error(exc: Any) -> RavexError:
-    """An ``S3Error`` from the core as one clear error: the ``s3://`` URL, what happened, a hint."""
+def storage_error(exc: Any) -> FileSystemError:
+    """An ``S3Error`` from the core as one clear error (exit 9, as any storage that refuses a read
+    or a write): the ``s3://`` URL, what happened, a hint. Unreachable servers are remembered, so
+    that cleaning up after the failure does not wait out the same timeouts again."""
     kind = getattr(exc, "kind", "other")
     url = getattr(exc, "url", None)
-    text = str(exc)
-    if kind == "not_found":
-        from ..errors import IncompleteCheckpointError
+    if kind == "unreachable" and url:
+        _unreachable.add(split(url)[0])
+    return FileSystemError(str(exc), hint=_HINTS.get(kind, _HINTS["other"]), path=url)
 
-        return IncompleteCheckpointError(f"{url}: no such object", hint=_HINTS[kind], path=url)
-    return RavexError(text, hint=_HINTS.get(kind, _HINTS["other"]), path=url)
+
+# buckets whose server stopped answering in this process: cleanup is left to the next writer
+_unreachable: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -399,7 +402,7 @@ class _UploadSink:
     def abort(self) -> None:
         if self._open:
             self._open = False
-            self.target.abort()
+            self.target.abort(self._store.name not in _unreachable)
 
 
 class _ScratchSink:
@@ -480,10 +483,14 @@ class _Output:
             self.put(rel, data)
 
     def abort(self) -> None:
-        """Every object under the output's key goes (other ranks' too: they are all this output's)."""
+        """Every object under the output's key goes (other ranks' too: they are all this output's).
+        Not when the server stopped answering: the cleanup would wait out the same timeouts, and
+        what is left is no checkpoint (no commit object) and is cleared by the next writer there."""
         for s in self._sinks:
             with contextlib.suppress(Exception):
                 s.abort()
+        if self.store.name in _unreachable:
+            return
         with contextlib.suppress(RavexError, OSError):
             keys = set(self._written) | set(self.store.list(self.key)) | ({self.key} if self.store.exists(self.key) else set())
             for key in sorted(keys, key=lambda k: k.rsplit("/", 1)[-1] not in (".metadata", "latest", "manifest.json")):
@@ -561,16 +568,19 @@ class S3Storage:
             _forget(self.name)
 
     def abort_unfinished(self, prefix: str) -> None:
-        """Multipart uploads under ``prefix`` that a writer left unfinished are aborted."""
+        """Multipart uploads a writer left unfinished at ``prefix`` (the object itself, or any under
+        it as a "directory") are aborted."""
         with _mapped():
-            for key, upload_id, _ in self.client.unfinished(prefix + "/" if prefix else ""):
+            for key, upload_id, _ in self.unfinished(prefix):
                 with contextlib.suppress(_core.S3Error):
                     self.client.abort_upload(key, upload_id)
 
     def unfinished(self, prefix: str) -> builtins.list[tuple[str, str, str]]:
-        """``(key, upload id, initiated)`` of the multipart uploads left under ``prefix``."""
+        """``(key, upload id, initiated)`` of the multipart uploads left at ``prefix``: the object
+        of that key, or any under it."""
         with _mapped():
-            return list(self.client.unfinished(prefix + "/" if prefix else ""))
+            found = self.client.unfinished(prefix)
+        return [u for u in found if not prefix or u[0] == prefix or u[0].startswith(prefix + "/")]
 
     def local_path(self, key: str) -> Path:
         raise RavexError(f"{self.url(key)}: an object in a bucket has no local path")  # Ravex's own bug: readers get an S3Path
