@@ -148,21 +148,8 @@ S3_SERVERS = ["seaweedfs", "moto"]
 def s3_each(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Prefix]:
     """``s3``, once on each S3 implementation (SeaweedFS, moto). Moto does not check
     signatures: a test of refused credentials belongs on SeaweedFS only."""
-    import re
-    import uuid
-
-    import _s3server
-
     server = request.getfixturevalue("s3_server" if request.param == "seaweedfs" else "moto_server")
-    for k in list(os.environ):
-        if k.startswith(("AWS_", "RAVEX_S3_")):
-            monkeypatch.delenv(k)
-    env = {"AWS_ACCESS_KEY_ID": _s3server.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": _s3server.SECRET_KEY,
-           "AWS_ENDPOINT_URL": server.endpoint, "AWS_REGION": "us-east-1"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:48]
-    yield S3Prefix(server, f"s3://{server.bucket}/t/{name}-{uuid.uuid4().hex[:8]}", env)
+    yield s3_prefix(server, monkeypatch, request)
 
 
 class S3Prefix:

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -157,36 +156,6 @@ def test_a_killed_upload_leaves_nothing_that_looks_complete(s3: S3Prefix, tmp_pa
     _ok(run_ravex("convert", src, s3 / "dcp", "--to", "dcp", "--world-size", "2", "--force"))
     assert s3.unfinished("dcp") == []
     _ok(run_ravex("verify", s3 / "dcp", src))
-
-
-def test_conditional_create_has_one_winner(s3: S3Prefix) -> None:
-    from ravex_convert.storage import PreconditionFailed, resolve
-    from ravex_convert.storage.base import ABSENT
-
-    storage, key = resolve(s3 / "race")
-    won: list[int] = []
-    lost: list[int] = []
-
-    def put(i: int) -> None:
-        try:
-            storage.put(key, f"writer {i}".encode(), if_generation=ABSENT)
-            won.append(i)
-        except PreconditionFailed:
-            lost.append(i)
-
-    threads = [threading.Thread(target=put, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(won) == 1 and len(lost) == 7
-    data, gen = storage.get(key)
-    assert data == f"writer {won[0]}".encode()
-    with pytest.raises(PreconditionFailed):
-        storage.put(key, b"stale", if_generation='"not-the-etag"')
-    assert storage.put(key, b"next", if_generation=gen) != gen
-    # a retried put whose first attempt landed (the same bytes) is settled as its own
-    assert storage.put(key, b"next", if_generation=gen) is not None
 
 
 def test_a_lease_is_held_renewed_taken_over_and_released(s3: S3Prefix, monkeypatch: pytest.MonkeyPatch) -> None:
