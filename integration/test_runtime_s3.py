@@ -101,21 +101,6 @@ def test_a_lost_machine_resumes_from_the_bucket_bit_identically(s3: S3Prefix, tm
     assert sorted(k.split("/")[1] for k in keys if k.endswith("/checkpoint.json")) == [f"{i:08d}" for i in (2, 4, 5, 6)], keys
 
 
-def test_a_store_on_the_bucket_is_taken_over_after_its_holder_was_killed(s3: S3Prefix, tmp_path: Path) -> None:
-    """The run lock is a lease object: a SIGKILLed run leaves it behind; the next run on this machine
-    takes it over (its holder's process is gone) and says nothing about it to the user."""
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    d = _machine(tmp_path, "m", _yaml(s3 / "run"))
-    killed = _run(d, logs, "run", {"shuffle": False}, {"KILL_AT_STEP": "5"})
-    assert killed.returncode == -signal.SIGKILL
-    assert "run-lock" in s3.keys("run")
-    done = _run(d, logs, "run", {"shuffle": False})
-    assert done.returncode == 0, done.stderr
-    assert "another training run" not in done.stderr
-    assert "run-lock" not in s3.keys("run")
-
-
 def test_a_run_whose_bucket_goes_away_keeps_training_and_says_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                       request: pytest.FixtureRequest) -> None:
     """The server dies after the first checkpoints went up: the run trains to the end with the same

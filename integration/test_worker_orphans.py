@@ -167,7 +167,7 @@ def test_a_trainer_killed_during_a_resumes_replay_leaves_no_worker(tmp_path: Pat
 
 def test_a_trainer_killed_at_random_instants_leaves_no_worker(tmp_path: Path) -> None:
     rng = random.Random(35)
-    for i in range(6):
+    for i in range(4):
         # One store across the kills: later runs restore (and replay) before they are killed.
         p = _start(tmp_path, {"persistent": i % 2 == 1, "item_s": 0.002}, max_steps=100_000)
         time.sleep(rng.uniform(1.0, 8.0))

@@ -14,7 +14,8 @@ import torch
 from conftest import DATA, fixture_dirs, run_ravex
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.usefixtures("storage_backend")  # every test on every backend (conftest)
+# Local disk only: the writers on object storage are the other writer files' (objdir, every
+# backend) and tests/test_s3.py's (a real S3 server, every writer, bytes equal to these outputs).
 
 FIXTURES = fixture_dirs()
 

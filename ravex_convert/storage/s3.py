@@ -44,7 +44,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .. import _core
-from ..errors import FileSystemError, RavexError
+from ..errors import S3_UNREACHABLE, FileSystemError, RavexError, s3_error
 from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note
 
 __all__ = ["SCHEME", "S3Path", "S3Storage", "bucket", "configure", "is_s3", "split", "storage_error"]
@@ -132,31 +132,9 @@ def bucket(name: str) -> Any:
     return client
 
 
-_HINTS = {
-    "not_found": "check the path: `ravex inspect s3://BUCKET/PREFIX` lists what is there",
-    "denied": "check the credentials (RAVEX_S3_ACCESS_KEY / RAVEX_S3_SECRET_KEY, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) "
-              "and that they may read and write this bucket",
-    "no_bucket": "create the bucket first, or check its name and AWS_ENDPOINT_URL",
-    "unreachable": "check AWS_ENDPOINT_URL (or RAVEX_S3_ENDPOINT) and the network; rerun: nothing half-written is taken for complete",
-    "precondition": "another writer changed it meanwhile; rerun",
-    "invalid": "this is a path or size S3 cannot hold",
-    "other": "rerun; if it persists, check the server's logs",
-}
-
-
 def storage_error(exc: Any) -> FileSystemError:
-    """An ``S3Error`` from the core as one clear error (exit 9, as any storage that refuses a read
-    or a write): the ``s3://`` URL, what happened, a hint. Unreachable servers are remembered, so
-    that cleaning up after the failure does not wait out the same timeouts again."""
-    kind = getattr(exc, "kind", "other")
-    url = getattr(exc, "url", None)
-    if kind == "unreachable" and url:
-        _unreachable.add(split(url)[0])
-    return FileSystemError(str(exc), hint=_HINTS.get(kind, _HINTS["other"]), path=url)
-
-
-# buckets whose server stopped answering in this process: cleanup is left to the next writer
-_unreachable: set[str] = set()
+    """An ``S3Error`` from the core as one clear error (:func:`~ravex_convert.errors.s3_error`)."""
+    return s3_error(exc)
 
 
 @contextlib.contextmanager
@@ -402,7 +380,7 @@ class _UploadSink:
     def abort(self) -> None:
         if self._open:
             self._open = False
-            self.target.abort(self._store.name not in _unreachable)
+            self.target.abort(self._store.name not in S3_UNREACHABLE)
 
 
 class _ScratchSink:
@@ -489,7 +467,7 @@ class _Output:
         for s in self._sinks:
             with contextlib.suppress(Exception):
                 s.abort()
-        if self.store.name in _unreachable:
+        if self.store.name in S3_UNREACHABLE:
             return
         with contextlib.suppress(RavexError, OSError):
             keys = set(self._written) | set(self.store.list(self.key)) | ({self.key} if self.store.exists(self.key) else set())
