@@ -12,10 +12,8 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import DATA, S3Prefix, ravex_bin, run_ravex
@@ -217,11 +215,7 @@ def test_torchrun_ranks_stream_their_share_and_rank0_commits(s3: S3Prefix, tmp_p
     _ok(run_ravex("verify", s3 / "dcp", tmp_path / "one"))
 
 
-def _run(code: str, **env: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True, timeout=120, check=False)
-
-
-# Every writer, in process, from three kinds of source: the bucket's objects are the bytes the same
+# Every writer, in process, from two kinds of source: the bucket's objects are the bytes the same
 # conversion writes to disk (files whose bytes record the run or the place they were written are
 # compared by `verify` instead: DCP's .metadata, a store's marker, manifest and checkpoint.json).
 WRITERS = [

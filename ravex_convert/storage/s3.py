@@ -44,20 +44,16 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .. import _core
-from ..errors import S3_UNREACHABLE, FileSystemError, RavexError, s3_error
+from ..errors import S3_UNREACHABLE, RavexError, s3_error
 from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note
 
-__all__ = ["SCHEME", "S3Path", "S3Storage", "bucket", "configure", "is_s3", "split", "storage_error"]
+__all__ = ["SCHEME", "S3Path", "S3Storage", "bucket", "configure", "split"]
 
 SCHEME = "s3://"
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 # listings a reader asked for, kept briefly: detection and a reader ask about the same directory
 # many times within a second; this process's own writes to the bucket drop them at once
 _LISTING_TTL_S = 2.0
-
-
-def is_s3(text: str | os.PathLike[str]) -> bool:
-    return os.fspath(text).startswith(SCHEME) or isinstance(text, S3Path)
 
 
 def split(url: str) -> tuple[str, str]:
@@ -127,14 +123,9 @@ def bucket(name: str) -> Any:
                                         max_in_flight=in_flight, max_retries=retries, retry_timeout_s=timeouts[0], connect_timeout_s=timeouts[1],
                                         request_timeout_s=timeouts[2])
             except _core.S3Error as exc:
-                raise storage_error(exc) from None
+                raise s3_error(exc) from None
             _clients[key] = client
     return client
-
-
-def storage_error(exc: Any) -> FileSystemError:
-    """An ``S3Error`` from the core as one clear error (:func:`~ravex_convert.errors.s3_error`)."""
-    return s3_error(exc)
 
 
 @contextlib.contextmanager
@@ -148,7 +139,7 @@ def _mapped() -> Iterator[None]:
             raise PreconditionFailed(str(exc)) from None
         if exc.kind == "not_found":
             raise FileNotFoundError(2, "no such object", exc.url) from None
-        raise storage_error(exc) from None
+        raise s3_error(exc) from None
 
 
 # ------------------------------------------------------------------------------ listing cache
@@ -504,7 +495,7 @@ class S3Storage:
     def list(self, prefix: str) -> list[str]:
         """Every object key under the "directory" ``prefix``, sorted."""
         with _mapped():
-            return [k for k, _, _ in self.client.list(prefix)] if prefix else [k for k, _, _ in self.client.list("")]
+            return [k for k, _, _ in self.client.list(prefix)]
 
     def stat(self, key: str) -> Stat | None:
         with _mapped():
