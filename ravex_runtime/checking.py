@@ -347,6 +347,13 @@ def _plan_loaders(live: Tracked, objs: dict[str, Any], where: str) -> list[tuple
                 g = gens.get(k)
                 if k == "torch" or g is not None:
                     _check_torch_state(t, where, f"{group}/{k} of DataLoader #{i}", device=g.device if g is not None and k != "torch" else "cpu")
+        held = saved.get("held") or []
+        if not isinstance(held, list) or not all(isinstance(h, dict) for h in held):
+            raise _corrupt(where, f"the read-ahead states of DataLoader #{i} are not a list of random states")
+        for h in held:
+            _check_rng(h, where)
+        if not isinstance(saved.get("wrapper_epoch", 0), int):
+            raise _corrupt(where, f"the wrapper's epoch of DataLoader #{i} is not an integer")
         for group in ("start", "last"):
             workers = persistent.get(group) or {}
             if not isinstance(workers, dict):

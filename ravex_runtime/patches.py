@@ -10,18 +10,20 @@ It returns the function that puts the originals back.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from . import frameworks
 from ._passthrough import Passthrough
 from .runtime import Runtime, StopRun
-from .sampler import unstamped
+from .sampler import host_rng, set_host_rng, unstamped
 from .workers import tied_workers
 
-__all__ = ["apply", "patched_targets"]
+__all__ = ["apply", "patched_targets", "read_ahead"]
 
 
 def patched_targets() -> list[tuple[Any, str]]:
@@ -49,16 +51,21 @@ def patched_targets() -> list[tuple[Any, str]]:
 
 
 class _Iter(Passthrough):
-    """The DataLoader iterator, seen through Ravex: the top of every iteration is a boundary."""
+    """The DataLoader iterator, seen through Ravex: the top of every iteration is a boundary,
+    unless a wrapper reads this loader ahead (``driven``): the wrapper's iterator (:class:`_Outer`)
+    has the boundary then, where the user takes the batch."""
 
-    def __init__(self, rt: Runtime, loader: Any, inner: Any):
+    def __init__(self, rt: Runtime, loader: Any, inner: Any, driven: bool = False):
         super().__init__(inner)
-        self._rt, self._loader = rt, loader
+        self._rt, self._loader, self._driven = rt, loader, driven
+        self._resumed: dict[str, Any] | None = None  # the host random state restored, while held batches are fetched again
 
     def __next__(self) -> Any:
         rt = self._rt
         if rt.fatal is not None:
             raise rt.fatal
+        if self._driven:
+            return self._ahead(rt)
         if rt.counting and not rt.active and rt.at_max_steps():
             raise StopIteration
         if rt.active:
@@ -75,6 +82,97 @@ class _Iter(Passthrough):
         if rt.active:
             rt.loader_state(self._loader).consumed += 1
         return batch
+
+    def _ahead(self, rt: Runtime) -> Any:
+        """A batch for a wrapper that reads ahead: the host random state before it is fetched is kept
+        until the user takes it. On resume the batches the wrapper held at the checkpoint are
+        fetched again, each under the state it was first fetched under, and then the checkpoint's
+        state is put back: what the batch drew in this process (a collate_fn's masking) is drawn
+        again, and the draws after the checkpoint start where they did."""
+        if not rt.active:
+            return next(self._inner)
+        st = rt.loader_state(self._loader)
+        if st.refetch:
+            if self._resumed is None:
+                self._resumed = host_rng()
+            set_host_rng(st.refetch.pop(0))
+        st.held.append(host_rng())
+        try:
+            return next(self._inner)
+        except StopIteration:
+            st.held.pop()
+            raise
+        finally:
+            if self._resumed is not None and not st.refetch:
+                set_host_rng(self._resumed)
+                self._resumed = None
+
+
+class _Outer(Passthrough):
+    """The iterator of a wrapper that reads its DataLoader ahead (Accelerate's DataLoaderShard
+    fetches batch k+1 before it yields batch k): the boundary is at the top of each of the user's
+    iterations, before the wrapper's next fetch; the position counts the batches the user took."""
+
+    def __init__(self, rt: Runtime, base: Any, inner: Any):
+        super().__init__(inner)
+        self._rt, self._base, self._given = rt, base, 0
+
+    def __next__(self) -> Any:
+        rt = self._rt
+        if rt.fatal is not None:
+            raise rt.fatal
+        if rt.counting and not rt.active and rt.at_max_steps():
+            raise StopIteration  # not one more batch: the wrapper would hand out the one it holds
+        if rt.active:
+            st = rt.loader_state(self._base)
+            length = st.length(self._base)
+            # as for a plain loader, the boundary of an epoch's end waits for the next epoch's first batch
+            if (self._given == 0 and st.epoch >= 0) or length is None or st.consumed < length:
+                try:
+                    rt._safe(rt.boundary)
+                except StopRun:
+                    raise StopIteration from None
+        batch = next(self._inner)
+        self._given += 1
+        if rt.active:
+            st = rt.loader_state(self._base)
+            st.consumed += 1
+            if st.held:
+                st.held.popleft()
+        return batch
+
+
+def read_ahead(rt: Runtime, base_of: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The patch of the ``__iter__`` of a wrapper that reads the DataLoader ``base_of(wrapper)``
+    ahead (frameworks/): Ravex counts the batches its iterator hands out, not those the inner
+    loader gives it. A wrapper's own epoch counter (``iteration``) is saved and put back."""
+    def make(original: Any) -> Any:
+        def wrapper(self: Any) -> Any:
+            if rt.fatal is not None:
+                raise rt.fatal
+            base = base_of(self)
+            if base is None:
+                return original(self)
+            if rt.at_max_steps() and rt.restored:
+                return iter(())
+            if not rt.active:
+                return _Outer(rt, base, original(self)) if rt.counting and rt.cfg.max_steps is not None else original(self)
+            st = rt._safe(rt.loader_state, base)
+            if st is None:
+                return original(self)
+            st.driven, st.wrapper = True, weakref.ref(self)
+            try:
+                rt._safe(rt.boundary_restore_only)
+            except StopRun:
+                pass
+            if rt.at_max_steps():
+                return iter(())
+            saved = st.pending
+            if saved is not None and isinstance(saved.get("wrapper_epoch"), int) and isinstance(getattr(self, "iteration", None), int):
+                self.iteration = saved["wrapper_epoch"]
+            return _Outer(rt, base, original(self))
+        return wrapper
+    return make
 
 
 def apply(rt: Runtime) -> Callable[[], None]:
@@ -96,9 +194,12 @@ def apply(rt: Runtime) -> Callable[[], None]:
             return wrapper
         return make
 
+    hooked = frameworks.Hooks(rt, patch)
+
     def module_init(m: Any) -> None:
         # Only the outermost construction is a model; submodules are reached from it.
         rt.session.notice_module(m)
+        hooked.check()  # a framework imported inside the decorated function, before its model is built
 
     def loader_iter(original: Any) -> Any:
         def wrapper(self: Any) -> Any:
@@ -126,7 +227,7 @@ def apply(rt: Runtime) -> Callable[[], None]:
                 return iter(())
             made = rt._safe(st.make_iter, self, original, torch.get_rng_state())
             inner = made if made is not None else unstamped(self, original(self))
-            return _Iter(rt, self, inner)
+            return _Iter(rt, self, inner, st.driven)
         return wrapper
 
     from torch.optim import lr_scheduler
@@ -144,6 +245,8 @@ def apply(rt: Runtime) -> Callable[[], None]:
             patch(cls, name, after(rt.session.notice_scaler))
         elif issubclass(cls, lr_scheduler.LRScheduler) or cls.__name__ == "ReduceLROnPlateau":
             patch(cls, name, after(rt.session.notice_scheduler))
+
+    hooked.check()
 
     import torch.distributed as tdist
 

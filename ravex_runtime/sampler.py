@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import random
+from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -35,7 +37,7 @@ from ravex_convert.model import TensorLink
 from ._passthrough import Passthrough
 from .workers import ResumeInit, StampCollate, Stamped, rng_objects
 
-__all__ = ["LoaderState", "SnapshotLike", "generators_of", "unrestorable_generators", "unstamped"]
+__all__ = ["LoaderState", "SnapshotLike", "generators_of", "host_rng", "set_host_rng", "unrestorable_generators", "unstamped"]
 
 log = logging.getLogger("ravex")
 
@@ -53,6 +55,31 @@ class SnapshotLike(Protocol):
 _NOT_THE_SAMPLERS = ("data_source", "dataset")
 # How deep in a sampler's attributes its generators are looked for.
 _SAMPLER_DEPTH = 4
+
+
+def host_rng() -> dict[str, Any]:
+    """The Python, NumPy and torch CPU generator states now, as they are (not copied into a snapshot)."""
+    out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        out["numpy"] = np.random.get_state(legacy=True)
+    except ImportError:
+        pass
+    return out
+
+
+def set_host_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`host_rng` took (or a checkpoint's copy of it)."""
+    if "python" in state:
+        py = state["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(tuple(state["numpy"]))
 
 
 def _samplers(loader: Any) -> list[tuple[str, Any]]:
@@ -265,6 +292,14 @@ class LoaderState:
         # A DistributedSampler's epoch resumed at another world size: the samples of the epoch
         # consumed before this process's part of it began (all ranks together); 0 otherwise.
         self.offset = 0
+        # Read ahead by a framework's wrapper (Accelerate's DataLoaderShard fetches batch k+1 before
+        # it hands out batch k): the wrapper counts what the user consumed (frameworks/), and this
+        # keeps the host random state from before each batch fetched and not handed out yet, so a
+        # resume fetches those batches again under the same states (patches.py).
+        self.driven = False
+        self.held: deque[dict[str, Any]] = deque()
+        self.refetch: list[dict[str, Any]] = []
+        self.wrapper: Any = None  # a weak reference to the wrapper, whose epoch counter is saved too
 
     def length(self, loader: Any) -> int | None:
         try:
@@ -276,6 +311,7 @@ class LoaderState:
         self.epoch += 1
         self.consumed = 0
         self.offset = 0
+        self.held.clear()
         self.epoch_start = {"torch": torch.get_rng_state()}
         for k, g in generators_of(loader).items():
             self.epoch_start[k] = g.get_state()
@@ -298,6 +334,13 @@ class LoaderState:
             # What a resume at another world size needs to keep the epoch's global sample count.
             out["distributed_sampler"] = {"num_replicas": int(sampler.num_replicas), "rank": int(sampler.rank),
                                           "batch_size": int(loader.batch_size), "offset": self.offset, "dataset_len": len(sampler.dataset)}
+        if self.driven:
+            out["held"] = [{"python": h["python"], "torch": snap.add(f"obj/{key}/held/{i}/torch", h["torch"]),
+                            **({"numpy": snap.flatten(h["numpy"], f"{key}/held/{i}/numpy")} if "numpy" in h else {})}
+                           for i, h in enumerate(self.held)]
+            epoch = getattr(self.wrapper() if self.wrapper is not None else None, "iteration", None)
+            if isinstance(epoch, int):
+                out["wrapper_epoch"] = epoch
         if self.persistent and self.base_start is not None:
             out["persistent"] = {
                 "base_epoch": self.base_epoch,
@@ -343,7 +386,8 @@ class LoaderState:
     def make_iter(self, loader: Any, original: Any, current_rng: torch.Tensor) -> Any:
         """``iter(loader)`` through ``original``, continuing a saved position when one is pending."""
         saved, self.pending = self.pending, None
-        self._shift_epoch(loader, saved)
+        if not (self.driven and saved is not None and "wrapper_epoch" in saved):
+            self._shift_epoch(loader, saved)  # a wrapper that counts epochs itself has had its count put back
         if saved is None:
             self.start_epoch(loader)
             return self._build(loader, original)
@@ -370,6 +414,8 @@ class LoaderState:
         else:
             self.epoch = int(saved["epoch"])
             self.consumed = consumed
+            if self.driven:
+                self.refetch = list(saved.get("held") or [])
             starts = {k: v.clone() for k, v in (saved.get("epoch_start") or {}).items()}
             self.epoch_start = starts
             if persistent is not None:

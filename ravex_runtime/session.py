@@ -353,6 +353,15 @@ class Session:
             return self._resume.restore(self.tracked(), rank=self.rank)
         return self._resume.restore(self.tracked())
 
+    def saved_object(self, name: str) -> Any:
+        """What the checkpoint :meth:`restore` will put in holds for the object tracked as ``name``
+        (None: nothing is pending, or it did not save one). For a framework whose own progress must
+        be set before the objects :meth:`restore` fills exist (frameworks/)."""
+        if self._resume.pending is None:
+            return None
+        tracked = self._resume.pending[0].objects.get("tracked")
+        return tracked.get(name) if isinstance(tracked, dict) else None
+
     @property
     def resumed_index(self) -> int | None:
         """The index in this store of the checkpoint restored (or being tried); None when it is not one of this store's."""

@@ -12,7 +12,6 @@ every other object (RNG states, other optimizers, tracked objects).
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -21,7 +20,7 @@ import torch
 from ravex_convert.errors import RavexError
 from ravex_convert.model import BUFFER, FROZEN, MODEL, OBJ, OPTIM, PARAMETER, Box, Checkpoint, Chunk, LogicalTensor, TensorLink
 
-from .sampler import LoaderState
+from .sampler import LoaderState, host_rng, set_host_rng
 
 __all__ = ["Snapshot", "Tracked", "capture", "capture_rng", "layout_of", "restore_rng", "tensor_view", "to_checkpoint", "unflatten"]
 
@@ -379,30 +378,23 @@ def unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # ---------------------------------------------------------------- RNG
 
 
-def capture_rng(snap: Snapshot, key: str) -> dict[str, Any]:
-    """Python, NumPy, torch CPU and (when present) CUDA generator states."""
-    out: dict[str, Any] = {"python": random.getstate(), "torch": snap.add(f"{OBJ}{key}/torch", torch.get_rng_state())}
-    try:
-        import numpy as np
-
-        out["numpy"] = snap.flatten(np.random.get_state(legacy=True), f"{key}/numpy")
-    except ImportError:
-        pass
+def capture_rng(snap: Snapshot, key: str, host: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (when present) CUDA generator states: now, or ``host`` (a
+    :func:`host_rng` taken earlier, without CUDA)."""
+    now = host is None
+    host = host_rng() if host is None else host
+    out: dict[str, Any] = {"python": host["python"], "torch": snap.add(f"{OBJ}{key}/torch", host["torch"])}
+    if "numpy" in host:
+        out["numpy"] = snap.flatten(host["numpy"], f"{key}/numpy")
+    if not now:
+        return out
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         out["cuda"] = [snap.add(f"{OBJ}{key}/cuda/{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
     return out
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    if "python" in state:
-        py = state["python"]
-        random.setstate((py[0], tuple(py[1]), py[2]))
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(tuple(state["numpy"]))
+    set_host_rng(state)
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 

@@ -1,0 +1,150 @@
+"""The Hugging Face ``Trainer``: its progress is saved, and put back through its own resume path.
+
+The Trainer stops on ``state.global_step`` and derives from it, before its
+first callback runs, the epoch to start at and the batches of that epoch
+already trained (loop variables no callback can reach). A resumed run whose
+state was not put back trains its whole budget again. So:
+
+- ``Trainer.__init__`` (patched): the trainer's progress is tracked as the
+  object ``hf_trainer``: ``TrainerState`` as the Trainer writes it to
+  ``trainer_state.json`` (with its stateful callbacks), and the loss summed
+  since the last log with the counters that divide it (so the first logged loss
+  after a resume is the uninterrupted run's).
+- ``Trainer.train`` (patched): when the checkpoint Ravex resumes from holds that
+  object, ``train`` is called with ``resume_from_checkpoint`` set to a directory
+  holding only that ``trainer_state.json``, so the Trainer's own resume
+  computes its epoch, its skip, ``state.epoch`` and its gradient-accumulation
+  windows. What the Trainer would load from the directory besides (weights,
+  optimizer, scheduler, scaler, RNG, and skipping batches with a new
+  DataLoader) is switched off for that call: Ravex restores those itself, at the
+  first batch, from the same checkpoint, and continues the DataLoader's epoch
+  in place (same order, the same worker streams), which the Trainer's own
+  resume does not (it restores the RNG after the first resumed window is
+  fetched, and its skip builds a new loader whose workers start afresh).
+
+The DataLoader the Trainer iterates is Accelerate's wrapper (accelerate.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ravex_convert.errors import RavexError
+
+from . import Patch, warn_own_checkpoints
+
+__all__ = ["NAME", "apply"]
+
+log = logging.getLogger("ravex")
+
+NAME = "hf_trainer"
+# The Trainer's own loading from a checkpoint directory, switched off while Ravex resumes it.
+_LOADS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
+_COUNTERS = ("_total_loss_scalar", "_globalstep_last_logged", "current_flos", "_initial_global_step", "_initial_num_input_tokens_seen")
+
+
+class Progress:
+    """The Trainer's progress, saved under ``tracked/hf_trainer``."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        from transformers.trainer_callback import ExportableState
+
+        state = dataclasses.asdict(t.state)
+        callbacks: dict[str, Any] = {}
+        for cb in [*t.callback_handler.callbacks, t.control]:
+            if isinstance(cb, ExportableState):  # as the Trainer saves them in trainer_state.json
+                name = type(cb).__name__
+                callbacks[name] = [*callbacks[name], cb.state()] if isinstance(callbacks.get(name), list) else (
+                    [callbacks[name], cb.state()] if name in callbacks else cb.state())
+        state["stateful_callbacks"] = callbacks
+        out: dict[str, Any] = {"state": json.dumps(state, sort_keys=True)}
+        loss = getattr(t, "_tr_loss", None)
+        if isinstance(loss, torch.Tensor):
+            out["tr_loss"] = loss.detach()
+        for k in _COUNTERS:
+            v = getattr(t, k, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = v
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        t = self.trainer
+        step = json.loads(sd["state"]).get("global_step")
+        if step != t.state.global_step:
+            raise RavexError(f"the HF Trainer is at global_step {t.state.global_step}, its saved progress at {step}: the Trainer's "
+                             "progress was not put back from this checkpoint", hint="start the script again: Ravex resumes from its newest checkpoint")
+        loss = sd.get("tr_loss")
+        if isinstance(loss, torch.Tensor) and isinstance(getattr(t, "_tr_loss", None), torch.Tensor):
+            t._tr_loss = loss.to(device=t._tr_loss.device, dtype=t._tr_loss.dtype).clone()
+        for k in _COUNTERS:
+            if k in sd:
+                setattr(t, k, sd[k])
+
+
+@contextlib.contextmanager
+def _own_loads_off(trainer: Any, module: ModuleType) -> Iterator[None]:
+    """The Trainer's loading from its checkpoint directory, off (instance attributes over its methods)."""
+    for name in _LOADS:
+        setattr(trainer, name, lambda *a, **k: None)
+    # module-level functions the Trainer calls: skipping batches with a new loader, DeepSpeed's own load
+    saved = {name: getattr(module, name) for name in ("skip_first_batches", "deepspeed_load_checkpoint") if hasattr(module, name)}
+    setattr(module, "skip_first_batches", lambda loader, num_batches=0: loader)  # noqa: B010 - a module's global, put back below
+    if "deepspeed_load_checkpoint" in saved:
+        setattr(module, "deepspeed_load_checkpoint", lambda *a, **k: None)  # noqa: B010
+    try:
+        yield
+    finally:
+        for name in _LOADS:
+            trainer.__dict__.pop(name, None)
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
+    missing = [n for n in _LOADS if not hasattr(module.Trainer, n)] + [n for n in ("skip_first_batches",) if not hasattr(module, n)]
+    if missing:
+        raise RavexError(f"this transformers version has no {', '.join(missing)}")
+
+    def init(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            rt._safe(notice, self)
+            return out
+        return wrapper
+
+    def notice(trainer: Any) -> None:
+        rt.session.notice_stateful(NAME, Progress(trainer))
+        strategy = getattr(trainer.args, "save_strategy", "no")
+        if str(getattr(strategy, "value", strategy)) != "no":
+            warn_own_checkpoints("the HF Trainer", 'set TrainingArguments(save_strategy="no"): Ravex already checkpoints this run')
+
+    def train(original: Any) -> Any:
+        def wrapper(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+            saved = rt._safe(rt.session.saved_object, NAME) if rt.active else None
+            if not (isinstance(saved, dict) and isinstance(saved.get("state"), str)):
+                return original(self, resume_from_checkpoint, *args, **kwargs)
+            if resume_from_checkpoint not in (None, False):
+                log.warning("ravex: Trainer.train(resume_from_checkpoint=%r) is ignored: the run resumes from %s",
+                            resume_from_checkpoint, rt.resume_label or "Ravex's checkpoint")
+            with tempfile.TemporaryDirectory(prefix="ravex-hf-") as tmp:
+                Path(tmp, "trainer_state.json").write_text(saved["state"])
+                with _own_loads_off(self, module):
+                    return original(self, tmp, *args, **kwargs)
+        return wrapper
+
+    patch(module.Trainer, "__init__", init)
+    patch(module.Trainer, "train", train)
