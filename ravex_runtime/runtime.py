@@ -61,6 +61,9 @@ class Runtime:
         self.restored = False
         self.last_step_written: int | None = None
         self.error: str | None = None
+        # A framework whose restored progress tells the samplers their epoch (Lightning's fit loop):
+        # Ravex puts the saved epoch in once and does not shift what the framework passes later.
+        self.framework_epochs = False
         # Last: takes the store's run lock and starts the writer (errors raise here, before training).
         # A failing background write switches the decorator off; training goes on.
         self.session = Session(cfg, on_error=self.disable)
@@ -133,7 +136,9 @@ class Runtime:
             self.hooks.append(opt.register_step_post_hook(lambda o, a, k: self._safe(self.on_step, always=True)))
 
     def loader_state(self, loader: Any) -> LoaderState:
-        return self.session.notice_loader(loader)
+        st = self.session.notice_loader(loader)
+        st.framework_epochs = self.framework_epochs
+        return st
 
     def track(self, obj: Any, name: str) -> None:
         """``ravex.track``: a model, optimizer or DataLoader joins the ones noticed; anything else is saved by name."""

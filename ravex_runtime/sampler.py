@@ -300,6 +300,7 @@ class LoaderState:
         self.held: deque[dict[str, Any]] = deque()
         self.refetch: list[dict[str, Any]] = []
         self.wrapper: Any = None  # a weak reference to the wrapper, whose epoch counter is saved too
+        self.framework_epochs = False  # set_epoch() is called with the true epoch (runtime.Runtime.framework_epochs)
 
     def length(self, loader: Any) -> int | None:
         try:
@@ -359,7 +360,7 @@ class LoaderState:
             return
         true_epoch = int(saved["sampler_epoch"])
         sampler.set_epoch(true_epoch)
-        if true_epoch != now:
+        if true_epoch != now and not self.framework_epochs:
             # every later set_epoch(n) of the script's loop means n plus the epochs it did not run again
             sampler.set_epoch = functools.partial(_shifted_set_epoch, type(sampler).set_epoch.__get__(sampler), true_epoch - now)
 

@@ -59,6 +59,7 @@ def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
             if not isinstance(saved, dict) or not isinstance(saved.get("fit_loop"), dict):
                 return
             trainer.fit_loop.load_state_dict(saved["fit_loop"])
+            rt.framework_epochs = True  # the restored loop passes its samplers the true epoch
             states = saved.get("callbacks") or {}
             for cb in trainer.callbacks:
                 if str(cb.state_key) in states:
