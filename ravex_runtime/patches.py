@@ -75,7 +75,7 @@ class _Iter(Passthrough):
             # per-epoch code after the inner loop is part of the checkpointed past.
             if length is None or st.consumed < length:
                 try:
-                    rt._safe(rt.boundary)
+                    rt._safe(rt.boundary, st)
                 except StopRun:
                     raise StopIteration from None
         batch = next(self._inner)
@@ -129,7 +129,7 @@ class _Outer(Passthrough):
             # as for a plain loader, the boundary of an epoch's end waits for the next epoch's first batch
             if (self._given == 0 and st.epoch >= 0) or length is None or st.consumed < length:
                 try:
-                    rt._safe(rt.boundary)
+                    rt._safe(rt.boundary, st)
                 except StopRun:
                     raise StopIteration from None
         batch = next(self._inner)

@@ -64,6 +64,7 @@ class Runtime:
         # A framework whose restored progress tells the samplers their epoch (Lightning's fit loop):
         # Ravex puts the saved epoch in once and does not shift what the framework passes later.
         self.framework_epochs = False
+        self.last_loader: LoaderState | None = None  # whose batch the last boundary was
         # Last: takes the store's run lock and starts the writer (errors raise here, before training).
         # A failing background write switches the decorator off; training goes on.
         self.session = Session(cfg, on_error=self.disable)
@@ -171,6 +172,8 @@ class Runtime:
 
     def on_step(self) -> None:
         self.step += 1
+        if self.last_loader is not None:
+            self.last_loader.trains = True  # its batches are trained on
         self.steps_since_boundary += 1
         if self.step % self.cfg.checkpoint_every == 0:
             self.due = True
@@ -180,8 +183,17 @@ class Runtime:
                         "is not called, so no checkpoint can be collected; call ravex.batch_boundary() at the top of each iteration",
                         self.step - self.start_step)
 
-    def boundary(self) -> None:
-        """The top of an iteration: restore (once), then checkpoint when due, stop at max_steps or on SIGTERM."""
+    def boundary(self, loader: LoaderState | None = None) -> None:
+        """The top of an iteration: restore (once), then checkpoint when due, stop at max_steps or on SIGTERM.
+        ``loader``: the DataLoader whose next batch this is. One that no optimizer step has followed
+        yet (an evaluation's, run between two training steps) only restores: a checkpoint taken in
+        the middle of an evaluation would resume after it, without the rest of it."""
+        if loader is not None:
+            self.last_loader = loader
+            if not loader.trains:
+                if self.active and not self.restored:
+                    self.restore()
+                return
         if not self.active:
             if self.counting and self.at_max_steps():
                 raise StopRun()

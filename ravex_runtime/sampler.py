@@ -301,6 +301,7 @@ class LoaderState:
         self.refetch: list[dict[str, Any]] = []
         self.wrapper: Any = None  # a weak reference to the wrapper, whose epoch counter is saved too
         self.framework_epochs = False  # set_epoch() is called with the true epoch (runtime.Runtime.framework_epochs)
+        self.trains = False  # an optimizer step has followed one of its batches (runtime.Runtime.boundary)
 
     def length(self, loader: Any) -> int | None:
         try:
