@@ -23,7 +23,7 @@ from .runtime import Runtime, StopRun
 from .sampler import host_rng, set_host_rng, unstamped
 from .workers import tied_workers
 
-__all__ = ["apply", "patched_targets", "read_ahead"]
+__all__ = ["after", "apply", "patched_targets", "read_ahead"]
 
 
 def patched_targets() -> list[tuple[Any, str]]:
@@ -142,6 +142,27 @@ class _Outer(Passthrough):
         return batch
 
 
+def _restored_at_max(rt: Runtime) -> bool:
+    """Restore (once) before an iterator is built, so it can continue the saved position; True when
+    the run is at ``max_steps`` (no batch is to be handed out)."""
+    try:
+        rt._safe(rt.boundary_restore_only)
+    except StopRun:
+        pass
+    return rt.at_max_steps()
+
+
+def after(rt: Runtime, notice: Callable[[Any], object]) -> Callable[[Any], Any]:
+    """The patch of a method that calls the original, then tells Ravex (``notice(self)``, through ``rt._safe``)."""
+    def make(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            rt._safe(notice, self)
+            return out
+        return wrapper
+    return make
+
+
 def read_ahead(rt: Runtime, base_of: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """The patch of the ``__iter__`` of a wrapper that reads the DataLoader ``base_of(wrapper)``
     ahead (frameworks/): Ravex counts the batches its iterator hands out, not those the inner
@@ -161,11 +182,7 @@ def read_ahead(rt: Runtime, base_of: Callable[[Any], Any]) -> Callable[[Any], An
             if st is None:
                 return original(self)
             st.driven, st.wrapper = True, weakref.ref(self)
-            try:
-                rt._safe(rt.boundary_restore_only)
-            except StopRun:
-                pass
-            if rt.at_max_steps():
+            if _restored_at_max(rt):
                 return iter(())
             saved = st.pending
             if saved is not None and isinstance(saved.get("wrapper_epoch"), int) and isinstance(getattr(self, "iteration", None), int):
@@ -184,15 +201,6 @@ def apply(rt: Runtime) -> Callable[[], None]:
         wrapper = make(original)
         functools.update_wrapper(wrapper, original)
         setattr(cls, name, wrapper)
-
-    def after(notice: Callable[[Any], object]) -> Callable[[Any], Any]:
-        def make(original: Any) -> Any:
-            def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-                out = original(self, *args, **kwargs)
-                rt._safe(notice, self)
-                return out
-            return wrapper
-        return make
 
     hooked = frameworks.Hooks(rt, patch)
 
@@ -219,11 +227,7 @@ def apply(rt: Runtime) -> Callable[[], None]:
             st = rt._safe(rt.loader_state, self)
             if st is None:
                 return unstamped(self, original(self))
-            try:
-                rt._safe(rt.boundary_restore_only)
-            except StopRun:
-                pass
-            if rt.at_max_steps():
+            if _restored_at_max(rt):
                 return iter(())
             made = rt._safe(st.make_iter, self, original, torch.get_rng_state())
             inner = made if made is not None else unstamped(self, original(self))
@@ -236,15 +240,15 @@ def apply(rt: Runtime) -> Callable[[], None]:
         if name == "__iter__":
             patch(cls, name, loader_iter)
         elif cls is torch.nn.Module:
-            patch(cls, name, after(module_init))
+            patch(cls, name, after(rt, module_init))
         elif cls is torch.optim.Optimizer:
-            patch(cls, name, after(rt.notice_optimizer))
+            patch(cls, name, after(rt, rt.notice_optimizer))
         elif cls is DataLoader:
-            patch(cls, name, after(rt.session.notice_loader))
+            patch(cls, name, after(rt, rt.session.notice_loader))
         elif cls is torch.amp.GradScaler:
-            patch(cls, name, after(rt.session.notice_scaler))
+            patch(cls, name, after(rt, rt.session.notice_scaler))
         elif issubclass(cls, lr_scheduler.LRScheduler) or cls.__name__ == "ReduceLROnPlateau":
-            patch(cls, name, after(rt.session.notice_scheduler))
+            patch(cls, name, after(rt, rt.session.notice_scheduler))
 
     hooked.check()
 

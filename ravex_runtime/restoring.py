@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import random
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -26,7 +25,7 @@ from ravex_convert.model import Checkpoint
 
 from .checking import SAME_RUN, Plan, plan
 from .errors import ResumeError
-from .sampler import LoaderState, generators_of
+from .sampler import LoaderState, generators_of, host_rng
 from .state import Tracked, _is_dtensor, is_fsdp1, restore_rng
 
 __all__ = ["apply_plan", "for_rank", "restore_into"]
@@ -48,13 +47,7 @@ def _clone(value: Any) -> Any:
 
 
 def _rng_now() -> dict[str, Any]:
-    out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        out["numpy"] = np.random.get_state(legacy=True)
-    except ImportError:
-        pass
+    out = host_rng()
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out

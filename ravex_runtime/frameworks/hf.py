@@ -115,16 +115,11 @@ def _own_loads_off(trainer: Any, module: ModuleType) -> Iterator[None]:
 
 
 def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
+    from ..patches import after
+
     missing = [n for n in _LOADS if not hasattr(module.Trainer, n)] + [n for n in ("skip_first_batches",) if not hasattr(module, n)]
     if missing:
         raise RavexError(f"this transformers version has no {', '.join(missing)}")
-
-    def init(original: Any) -> Any:
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = original(self, *args, **kwargs)
-            rt._safe(notice, self)
-            return out
-        return wrapper
 
     def notice(trainer: Any) -> None:
         rt.session.notice_stateful(NAME, Progress(trainer))
@@ -146,5 +141,5 @@ def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
                     return original(self, tmp, *args, **kwargs)
         return wrapper
 
-    patch(module.Trainer, "__init__", init)
+    patch(module.Trainer, "__init__", after(rt, notice))
     patch(module.Trainer, "train", train)

@@ -51,6 +51,8 @@ class Progress:
 
 
 def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
+    from ..patches import after
+
     class RavexProgress(module.Callback):  # type: ignore[misc,name-defined]
         """Puts the fit loop's saved progress back at the start of ``fit`` (frameworks/lightning.py)."""
 
@@ -65,17 +67,10 @@ def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
                 if str(cb.state_key) in states:
                     cb.load_state_dict(states[str(cb.state_key)])
 
-    def init(original: Any) -> Any:
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            out = original(self, *args, **kwargs)
-            rt._safe(notice, self)
-            return out
-        return wrapper
-
     def notice(trainer: Any) -> None:
         trainer.callbacks.append(RavexProgress())
         rt.session.notice_stateful(NAME, Progress(trainer))
         if getattr(trainer, "checkpoint_callback", None) is not None:
             warn_own_checkpoints("Lightning", "pass Trainer(enable_checkpointing=False): Ravex already checkpoints this run")
 
-    patch(module.Trainer, "__init__", init)
+    patch(module.Trainer, "__init__", after(rt, notice))
