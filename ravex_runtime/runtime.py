@@ -65,6 +65,9 @@ class Runtime:
         # Ravex puts the saved epoch in once and does not shift what the framework passes later.
         self.framework_epochs = False
         self.last_loader: LoaderState | None = None  # whose batch the last boundary was
+        # False: the checkpoint's data positions are not continued (a framework positions its data
+        # itself, as the HF Trainer does at another world size): every loader starts its epoch afresh.
+        self.loader_positions = True
         # Last: takes the store's run lock and starts the writer (errors raise here, before training).
         # A failing background write switches the decorator off; training goes on.
         self.session = Session(cfg, on_error=self.disable)
@@ -337,5 +340,8 @@ class Runtime:
             self.active = self.counting = False
             log.error("ravex: the run stops before its first step: %s", exc.message.splitlines()[0])
             raise
+        if not self.loader_positions:
+            for _, st in self.session.tracked().loaders:
+                st.pending = None
         if step is not None:
             self.step = self.start_step = step

@@ -71,7 +71,7 @@ class Progress:
                 callbacks[name] = [*callbacks[name], cb.state()] if isinstance(callbacks.get(name), list) else (
                     [callbacks[name], cb.state()] if name in callbacks else cb.state())
         state["stateful_callbacks"] = callbacks
-        out: dict[str, Any] = {"state": json.dumps(state, sort_keys=True)}
+        out: dict[str, Any] = {"state": json.dumps(state, sort_keys=True), "world_size": _world_size(t)}
         loss = getattr(t, "_tr_loss", None)
         if isinstance(loss, torch.Tensor):
             out["tr_loss"] = loss.detach()
@@ -95,14 +95,21 @@ class Progress:
                 setattr(t, k, sd[k])
 
 
+def _world_size(trainer: Any) -> int:
+    ws = getattr(trainer.args, "world_size", 1)
+    return ws if isinstance(ws, int) else 1
+
+
 @contextlib.contextmanager
-def _own_loads_off(trainer: Any, module: ModuleType) -> Iterator[None]:
-    """The Trainer's loading from its checkpoint directory, off (instance attributes over its methods)."""
+def _own_loads_off(trainer: Any, module: ModuleType, skip: bool) -> Iterator[None]:
+    """The Trainer's loading from its checkpoint directory, off (instance attributes over its methods);
+    its skipping of the batches already trained too, unless ``skip``."""
     for name in _LOADS:
         setattr(trainer, name, lambda *a, **k: None)
     # module-level functions the Trainer calls: skipping batches with a new loader, DeepSpeed's own load
     saved = {name: getattr(module, name) for name in ("skip_first_batches", "deepspeed_load_checkpoint") if hasattr(module, name)}
-    setattr(module, "skip_first_batches", lambda loader, num_batches=0: loader)  # noqa: B010 - a module's global, put back below
+    if not skip:
+        setattr(module, "skip_first_batches", lambda loader, num_batches=0: loader)  # noqa: B010 - a module's global, put back below
     if "deepspeed_load_checkpoint" in saved:
         setattr(module, "deepspeed_load_checkpoint", lambda *a, **k: None)  # noqa: B010
     try:
@@ -135,9 +142,16 @@ def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
             if resume_from_checkpoint not in (None, False):
                 log.warning("ravex: Trainer.train(resume_from_checkpoint=%r) is ignored: the run resumes from %s",
                             resume_from_checkpoint, rt.resume_label or "Ravex's checkpoint")
+            was, now = saved.get("world_size", _world_size(self)), _world_size(self)
+            if was != now:
+                # The saved data position counts batches of the old sharding; the Trainer's own count of
+                # the epoch's batches (from global_step, at this world size) is the one that fits it now.
+                log.warning("ravex: the HF Trainer's run was saved at world size %s and resumes at %d: the Trainer skips the "
+                            "batches of its epoch itself, counted at this world size; the data order is not the saved run's", was, now)
+                rt.loader_positions = False
             with tempfile.TemporaryDirectory(prefix="ravex-hf-") as tmp:
                 Path(tmp, "trainer_state.json").write_text(saved["state"])
-                with _own_loads_off(self, module):
+                with _own_loads_off(self, module, skip=was != now):
                     return original(self, tmp, *args, **kwargs)
         return wrapper
 
