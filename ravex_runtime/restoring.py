@@ -101,6 +101,7 @@ def _apply(p: Plan) -> None:
     for ld, st, saved in p.loaders:
         # Generators of a loader not yet iterated: their checkpoint state now; the position at its next iter().
         st.pending = saved
+        st.trains = saved.get("trains") is not False  # a training loader boundaries at once; an evaluation's stays one
         for k, g in generators_of(ld).items():
             if k in (saved.get("generators") or {}):
                 g.set_state(saved["generators"][k])

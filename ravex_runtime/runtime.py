@@ -68,6 +68,7 @@ class Runtime:
         # False: the checkpoint's data positions are not continued (a framework positions its data
         # itself, as the HF Trainer does at another world size): every loader starts its epoch afresh.
         self.loader_positions = True
+        self.restore_waits: list[Any] = []  # frameworks' predicates: True while a restore must wait (frameworks/)
         # Last: takes the store's run lock and starts the writer (errors raise here, before training).
         # A failing background write switches the decorator off; training goes on.
         self.session = Session(cfg, on_error=self.disable)
@@ -141,7 +142,7 @@ class Runtime:
 
     def loader_state(self, loader: Any) -> LoaderState:
         st = self.session.notice_loader(loader)
-        st.framework_epochs = self.framework_epochs
+        st.framework_epochs, st.watched = self.framework_epochs, True
         return st
 
     def track(self, obj: Any, name: str) -> None:
@@ -194,7 +195,7 @@ class Runtime:
         if loader is not None:
             self.last_loader = loader
             if not loader.trains:
-                if self.active and not self.restored:
+                if self.active and not self.restored and not self.restore_deferred():
                     self.restore()
                 return
         if not self.active:
@@ -291,8 +292,13 @@ class Runtime:
 
     def boundary_restore_only(self) -> None:
         """``iter(loader)``: restore (once) before the iterator is built, so it can continue the saved position."""
-        if not self.restored:
+        if not self.restored and not self.restore_deferred():
             self.restore()
+
+    def restore_deferred(self) -> bool:
+        """A framework says this is no place to restore: what it iterates now runs inside a block that
+        puts the random state back after it (Lightning's sanity check, in ``isolate_rng``)."""
+        return any(wait() for wait in self.restore_waits)
 
     def at_max_steps(self) -> bool:
         return self.counting and self.cfg.max_steps is not None and self.step >= self.cfg.max_steps

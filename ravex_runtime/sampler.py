@@ -301,7 +301,10 @@ class LoaderState:
         self.refetch: list[dict[str, Any]] = []
         self.wrapper: Any = None  # a weak reference to the wrapper, whose epoch counter is saved too
         self.framework_epochs = False  # set_epoch() is called with the true epoch (runtime.Runtime.framework_epochs)
-        self.trains = False  # an optimizer step has followed one of its batches (runtime.Runtime.boundary)
+        # Under the decorator (``watched``): whether an optimizer step has followed one of its batches
+        # (runtime.Runtime.boundary); a loader iterated through Session.iterate is a training one.
+        self.watched = False
+        self.trains = False
 
     def length(self, loader: Any) -> int | None:
         try:
@@ -323,6 +326,7 @@ class LoaderState:
     def capture(self, snap: SnapshotLike, loader: Any, key: str | None = None) -> dict[str, Any]:
         key = key or f"loaders/{self.index}"
         out: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed, "length": self.length(loader), "replayable": self.replayable,
+                               **({"trains": self.trains} if self.watched else {}),
                                "epoch_start": {k: snap.add(f"obj/{key}/epoch_start/{k}", v) for k, v in self.epoch_start.items()},
                                "generators": {k: snap.add(f"obj/{key}/generators/{k}", g.get_state()) for k, g in generators_of(loader).items()}}
         ds = getattr(loader, "dataset", None)
@@ -405,7 +409,9 @@ class LoaderState:
         persistent = saved.get("persistent") if self.persistent else None
         if persistent is not None:
             self.worker_last = {int(w): s for w, s in (persistent.get("last") or {}).items()}
-        finished = length is not None and consumed >= length
+        # An evaluation's loader (no optimizer step followed its batches) is iterated afresh each time
+        # it is used, however far its last iteration went: its next epoch starts now, as in the run saved.
+        finished = (length is not None and consumed >= length) or saved.get("trains") is False
         if finished:
             # The epoch was finished: the next one starts from the current state.
             self.epoch = int(saved["epoch"])

@@ -20,6 +20,7 @@ the boundary (the DataLoader's next batch) is where the user's step starts.
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -69,6 +70,10 @@ def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
 
     def notice(trainer: Any) -> None:
         trainer.callbacks.append(RavexProgress())
+        # The sanity check's validation runs in isolate_rng(), which puts the random state back after
+        # it: a restore at its loader's first batch would be undone. The training loader's restores.
+        ref = weakref.ref(trainer)
+        rt.restore_waits.append(lambda: bool(getattr(ref(), "sanity_checking", False)))
         rt.session.notice_stateful(NAME, Progress(trainer))
         if getattr(trainer, "checkpoint_callback", None) is not None:
             warn_own_checkpoints("Lightning", "pass Trainer(enable_checkpointing=False): Ravex already checkpoints this run")
