@@ -17,7 +17,8 @@ Options (JSON):
   validates every 8 training batches (3 batches each, after its sanity check of ``sanity`` batches,
   default 2); their datasets draw at random too, between two training steps;
 - ``fw_ckpt``: the framework's own checkpointing on as well (HF: ``save_strategy="steps"``,
-  ``save_steps=10``; Lightning: ``enable_checkpointing=True``, a ``ModelCheckpoint`` every epoch).
+  ``save_steps=10``; Lightning: ``enable_checkpointing=True``, a ``ModelCheckpoint`` every epoch;
+  Accelerate: ``accelerator.save_state`` every 5 steps).
 
 The budget is the framework's own (HF and Lightning: ``max_steps``). The Accelerate loop is
 ``for epoch in range(100)`` over the prepared loader and ends by Ravex's ``max_steps`` (the test
@@ -273,6 +274,8 @@ def train_accelerate(opts: dict[str, Any], out: Path, log: Log, final: dict[str,
                 own += 1
                 losses, micro = micro, []
                 log.step(ravex.step() or own, losses, opt.param_groups[0]["lr"], dl.iteration)
+                if opts["fw_ckpt"] and own % 5 == 0:  # Accelerate's own checkpoint as well
+                    acc.save_state(str(out / f"accelerate-{opts['tag']}" / f"step{own}"))
                 if own >= opts["steps"] and not RAVEX_ON:
                     return  # the reference run: no Ravex to stop it
 

@@ -163,7 +163,7 @@ def test_sigkill_between_checkpoints_then_resume_is_bit_identical(framework: str
 
 # The wording "written twice" is decided by ravex_runtime (ravex_runtime/frameworks/__init__.py,
 # warn_own_checkpoints): grep for it there when it changes.
-@pytest.mark.parametrize("framework", ["hf", "lightning"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_the_frameworks_own_checkpointing_is_warned_about_once(framework: str, tmp_path: Path, zygote: Zygote) -> None:
     res = finish(zygote, start(zygote, tmp_path, {"framework": framework, "steps": 12, "fw_ckpt": True}, "fw", {}))
     assert res.returncode == 0, tail(res.stderr)
