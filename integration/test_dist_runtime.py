@@ -377,15 +377,14 @@ def kill_seed(case: str) -> random.Random:
 # A kill step one past a checkpoint (7, 10) must train that step again. A random one is drawn from
 # 8..13: the checkpoint at step 3 has had five steps to be committed, so every case resumes.
 # Whole-job kills of DDP and of FSDP2 at 2 ranks: the object-storage test below.
+# Cut for CI time (2026-12-06; each 12-18 s): ddp-x1-rank0-past, ddp-x2-rank1-past (2-rank DDP kills are also
+# integration/test_frameworks_dist.py's), fsdp2-gather-x2-rank1-past, fsdp2-per_rank-x2-rank0-past (each
+# mode still killed below, at 2 or 3 ranks, one rank or all).
 SAME_WS = {
-    "ddp-x1-rank0-past": ("ddp", 1, "0", 7),
-    "ddp-x2-rank1-past": ("ddp", 2, "1", 10),
     "ddp-workers2-x2-rank0-past": ("ddp-workers2", 2, "0", 7),
     "ddp-fu-x3-rank2-past": ("ddp-fu", 3, "2", 7),
     "fsdp1-x2-rank1-past": ("fsdp1", 2, "1", 7),
-    "fsdp2-gather-x2-rank1-past": ("fsdp2-gather", 2, "1", 7),
     "fsdp2-gather-x3-all-random": ("fsdp2-gather", 3, "all", "random"),
-    "fsdp2-per_rank-x2-rank0-past": ("fsdp2-per_rank", 2, "0", 10),
     "fsdp2-per_rank-x2-all-random": ("fsdp2-per_rank", 2, "all", "random"),
 }
 
@@ -508,7 +507,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_one_checkpoint(mode: str, tmp_p
 # (mode, from, to, the checkpoint the first run is killed one step past): mid-epoch 0 either way,
 # and the epoch ends within max_steps at the new world size.
 RESHARD = {f"{mode}-{a}to{b}": (mode, a, b, 6 if a == 2 else 3)
-           for mode, a, b in (("ddp-fu", 2, 3), ("fsdp2-gather", 2, 3), ("fsdp2-gather", 3, 2), ("fsdp2-per_rank", 3, 2))}
+           for mode, a, b in (("ddp-fu", 2, 3), ("fsdp2-gather", 2, 3), ("fsdp2-per_rank", 3, 2))}  # fsdp2-gather 3to2: cut for CI time
 
 
 def assert_read_own_part(tmp: Path, tag: str, nproc: int, store: Path, mode: str) -> None:
