@@ -44,7 +44,7 @@ NPROC = 2
 TIMEOUT = 240.0  # one job, start to end (about 10 s here)
 CASES: dict[str, dict[str, Any]] = {
     "hf": {"framework": "hf", "noise": True, "workers": 0},
-    # Lightning's sanity check off: under DDP a resume after it is not exact yet (docs/frameworks.md)
+    # Lightning's sanity check off: under DDP with it Ravex changes the run (docs/notes/2026-12-06-lightning-ddp-sanity.md)
     "lightning": {"framework": "lightning", "noise": True, "workers": 0, "sanity": 0},
     "accelerate": {"framework": "accelerate", "noise": True, "workers": 2},
 }
