@@ -151,6 +151,14 @@ class Zygote:
             self.runs[msg["id"]].returncode = int(msg["status"])
         return run.returncode
 
+    def finish(self, run: Run, timeout: float) -> Run:
+        """:meth:`wait`, for a test: a run that does not end in time fails it with its stderr's last lines."""
+        try:
+            self.wait(run, timeout)
+        except TimeoutError:
+            raise AssertionError(f"{run.out.stem} did not finish in {timeout:.0f} s\n" + "\n".join(run.stderr.splitlines()[-40:])) from None
+        return run
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()

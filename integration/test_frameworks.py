@@ -54,14 +54,6 @@ def start(z: Zygote, tmp: Path, opts: dict[str, Any], tag: str, env_extra: dict[
     return z.start(SCRIPT, [json.dumps({**opts, "tag": tag}), str(tmp)], env, tmp, f"{tag}-{z.next_id + 1}")
 
 
-def finish(z: Zygote, run: Run, timeout: float = TIMEOUT) -> Run:
-    try:
-        z.wait(run, timeout)
-    except TimeoutError:
-        pytest.fail(f"the training script did not finish in {timeout} s\n{tail(run.stderr)}")
-    return run
-
-
 def tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
@@ -128,8 +120,8 @@ def test_sigkill_between_checkpoints_then_resume_is_bit_identical(framework: str
     z = zygote
     opts = {"framework": framework, "steps": STEPS, **NOISE[noise]}
     ref_p = start(z, tmp_path, opts, "ref", {"RAVEX_ENABLED": "0"})
-    kill = finish(z, start(z, tmp_path, opts, "kill", {"KILL_AT_STEP": str(KILL)}))
-    ref = finish(z, ref_p)
+    kill = z.finish(start(z, tmp_path, opts, "kill", {"KILL_AT_STEP": str(KILL)}), TIMEOUT)
+    ref = z.finish(ref_p, TIMEOUT)
     assert ref.returncode == 0, f"the reference run (RAVEX_ENABLED=0) failed:\n{tail(ref.stderr)}"
     ref_log, ref_out = log_lines(tmp_path, "ref"), outcome(tmp_path, "ref")
     ref_steps = [line["step"] for line in ref_log]
@@ -142,8 +134,8 @@ def test_sigkill_between_checkpoints_then_resume_is_bit_identical(framework: str
         problems.append(f"killed run: logged steps {killed_steps}, expected 1..{KILL}")
 
     run_p = start(z, tmp_path, opts, "run", {})
-    resume = finish(z, start(z, tmp_path, opts, "kill", {}))  # the same command as the killed run's
-    run = finish(z, run_p)
+    resume = z.finish(start(z, tmp_path, opts, "kill", {}), TIMEOUT)  # the same command as the killed run's
+    run = z.finish(run_p, TIMEOUT)
     if run.returncode != 0:
         problems.append(f"the uninterrupted Ravex run exited {run.returncode}:\n{tail(run.stderr)}")
     else:
@@ -165,6 +157,6 @@ def test_sigkill_between_checkpoints_then_resume_is_bit_identical(framework: str
 # warn_own_checkpoints): grep for it there when it changes.
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_the_frameworks_own_checkpointing_is_warned_about_once(framework: str, tmp_path: Path, zygote: Zygote) -> None:
-    res = finish(zygote, start(zygote, tmp_path, {"framework": framework, "steps": 12, "fw_ckpt": True}, "fw", {}))
+    res = zygote.finish(start(zygote, tmp_path, {"framework": framework, "steps": 12, "fw_ckpt": True}, "fw", {}), TIMEOUT)
     assert res.returncode == 0, tail(res.stderr)
     assert res.stderr.count("written twice") == 1, res.stderr

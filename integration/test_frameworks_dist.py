@@ -68,14 +68,6 @@ def job(z: Zygote, tmp: Path, nproc: int, opts: dict[str, Any], tag: str, env_ex
     return z.start(SCRIPT, argv(tmp, opts, tag)[1:], job_env(tmp, opts, tag, env_extra), tmp, f"{tag}-{z.next_id + 1}", nproc=nproc)
 
 
-def finish(z: Zygote, run: Run) -> Run:
-    try:
-        z.wait(run, TIMEOUT)
-    except TimeoutError:
-        pytest.fail(f"the job did not finish in {TIMEOUT:.0f} s\n{tail(run.stderr)}")
-    return run
-
-
 def tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
@@ -118,8 +110,8 @@ def make_killed(z: Zygote, d: Path, opts: dict[str, Any]) -> None:
     """In ``d``: the reference (tag ``ref``, Ravex off) and the run killed after step ``KILL`` (tag
     ``kill``), both at ``NPROC`` ranks, checked; the killed run's store is ``d/store-kill``."""
     kill_p = job(z, d, NPROC, opts, "kill", {"KILL_AT_STEP": str(KILL)})
-    ref = finish(z, job(z, d, NPROC, opts, "ref", {"RAVEX_ENABLED": "0"}))  # alongside
-    kill = finish(z, kill_p)
+    ref = z.finish(job(z, d, NPROC, opts, "ref", {"RAVEX_ENABLED": "0"}), TIMEOUT)  # alongside
+    kill = z.finish(kill_p, TIMEOUT)
     assert ref.returncode == 0, f"the reference run (RAVEX_ENABLED=0) failed:\n{tail(ref.stderr)}"
     for r in range(NPROC):
         assert steps_of(log_lines(d, "ref", r)) == list(range(1, STEPS + 1)), f"reference rank {r}: steps {steps_of(log_lines(d, 'ref', r))}"
@@ -166,7 +158,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Callable
 def resume(z: Zygote, tmp: Path, nproc: int, opts: dict[str, Any]) -> tuple[Run, dict[int, int]]:
     """The killed run's command again, at ``nproc`` ranks; how many lines each rank had logged before it."""
     before = {r: len(log_lines(tmp, "kill", r)) for r in range(nproc)}
-    done = finish(z, job(z, tmp, nproc, opts, "kill", {}))
+    done = z.finish(job(z, tmp, nproc, opts, "kill", {}), TIMEOUT)
     assert done.returncode == 0, f"the resumed run exited {done.returncode}:\n{tail(done.stderr)}"
     assert "resuming from checkpoint" in done.stderr and f"(step {CKPT})" in done.stderr, tail(done.stderr)
     return done, before

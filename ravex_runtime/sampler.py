@@ -37,7 +37,7 @@ from ravex_convert.model import TensorLink
 from ._passthrough import Passthrough
 from .workers import ResumeInit, StampCollate, Stamped, rng_objects
 
-__all__ = ["LoaderState", "SnapshotLike", "generators_of", "host_rng", "set_host_rng", "unrestorable_generators", "unstamped"]
+__all__ = ["LoaderState", "SnapshotLike", "generators_of", "host_rng", "set_host_rng", "snap_host_rng", "unrestorable_generators", "unstamped"]
 
 log = logging.getLogger("ravex")
 
@@ -66,6 +66,14 @@ def host_rng() -> dict[str, Any]:
         out["numpy"] = np.random.get_state(legacy=True)
     except ImportError:
         pass
+    return out
+
+
+def snap_host_rng(snap: SnapshotLike, key: str, host: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`host_rng` took, copied into ``snap`` under ``obj/<key>/...``."""
+    out: dict[str, Any] = {"python": host["python"], "torch": snap.add(f"obj/{key}/torch", host["torch"])}
+    if "numpy" in host:
+        out["numpy"] = snap.flatten(host["numpy"], f"{key}/numpy")
     return out
 
 
@@ -341,9 +349,7 @@ class LoaderState:
             out["distributed_sampler"] = {"num_replicas": int(sampler.num_replicas), "rank": int(sampler.rank),
                                           "batch_size": int(loader.batch_size), "offset": self.offset, "dataset_len": len(sampler.dataset)}
         if self.driven:
-            out["held"] = [{"python": h["python"], "torch": snap.add(f"obj/{key}/held/{i}/torch", h["torch"]),
-                            **({"numpy": snap.flatten(h["numpy"], f"{key}/held/{i}/numpy")} if "numpy" in h else {})}
-                           for i, h in enumerate(self.held)]
+            out["held"] = [snap_host_rng(snap, f"{key}/held/{i}", h) for i, h in enumerate(self.held)]
             epoch = getattr(self.wrapper() if self.wrapper is not None else None, "iteration", None)
             if isinstance(epoch, int):
                 out["wrapper_epoch"] = epoch

@@ -20,7 +20,7 @@ import torch
 from ravex_convert.errors import RavexError
 from ravex_convert.model import BUFFER, FROZEN, MODEL, OBJ, OPTIM, PARAMETER, Box, Checkpoint, Chunk, LogicalTensor, TensorLink
 
-from .sampler import LoaderState, host_rng, set_host_rng
+from .sampler import LoaderState, host_rng, set_host_rng, snap_host_rng
 
 __all__ = ["Snapshot", "Tracked", "capture", "capture_rng", "layout_of", "restore_rng", "tensor_view", "to_checkpoint", "unflatten"]
 
@@ -378,16 +378,9 @@ def unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 # ---------------------------------------------------------------- RNG
 
 
-def capture_rng(snap: Snapshot, key: str, host: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Python, NumPy, torch CPU and (when present) CUDA generator states: now, or ``host`` (a
-    :func:`host_rng` taken earlier, without CUDA)."""
-    now = host is None
-    host = host_rng() if host is None else host
-    out: dict[str, Any] = {"python": host["python"], "torch": snap.add(f"{OBJ}{key}/torch", host["torch"])}
-    if "numpy" in host:
-        out["numpy"] = snap.flatten(host["numpy"], f"{key}/numpy")
-    if not now:
-        return out
+def capture_rng(snap: Snapshot, key: str) -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (when present) CUDA generator states."""
+    out = snap_host_rng(snap, key, host_rng())
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         out["cuda"] = [snap.add(f"{OBJ}{key}/cuda/{i}", s) for i, s in enumerate(torch.cuda.get_rng_state_all())]
     return out

@@ -64,13 +64,12 @@ class Progress:
         from transformers.trainer_callback import ExportableState
 
         state = dataclasses.asdict(t.state)
-        callbacks: dict[str, Any] = {}
+        # as the Trainer saves them in trainer_state.json: by class name, a list where a class has several
+        callbacks: dict[str, list[Any]] = {}
         for cb in [*t.callback_handler.callbacks, t.control]:
-            if isinstance(cb, ExportableState):  # as the Trainer saves them in trainer_state.json
-                name = type(cb).__name__
-                callbacks[name] = [*callbacks[name], cb.state()] if isinstance(callbacks.get(name), list) else (
-                    [callbacks[name], cb.state()] if name in callbacks else cb.state())
-        state["stateful_callbacks"] = callbacks
+            if isinstance(cb, ExportableState):
+                callbacks.setdefault(type(cb).__name__, []).append(cb.state())
+        state["stateful_callbacks"] = {name: states[0] if len(states) == 1 else states for name, states in callbacks.items()}
         out: dict[str, Any] = {"state": json.dumps(state, sort_keys=True), "world_size": _world_size(t)}
         loss = getattr(t, "_tr_loss", None)
         if isinstance(loss, torch.Tensor):
