@@ -18,7 +18,9 @@ Options (JSON):
   default 2); their datasets draw at random too, between two training steps;
 - ``fw_ckpt``: the framework's own checkpointing on as well (HF: ``save_strategy="steps"``,
   ``save_steps=10``; Lightning: ``enable_checkpointing=True``, a ``ModelCheckpoint`` every epoch;
-  Accelerate: ``accelerator.save_state`` every 5 steps).
+  Accelerate: ``accelerator.save_state`` every 5 steps); ``fw_every``: that checkpoint every so many
+  steps instead, every one kept (Lightning: ``ModelCheckpoint(every_n_train_steps=..., save_top_k=-1)``
+  in ``lightning-<tag>/checkpoints/``; the sources of integration/test_resume_from_frameworks.py).
 
 The budget is the framework's own (HF and Lightning: ``max_steps``). The Accelerate loop is
 ``for epoch in range(100)`` over the prepared loader and ends by Ravex's ``max_steps`` (the test
@@ -167,7 +169,7 @@ def train_hf(opts: dict[str, Any], out: Path, log: Log, final: dict[str, Any]) -
     p = 0.1 if opts["noise"] else 0.0
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0,
                                        resid_pdrop=p, embd_pdrop=p, attn_pdrop=p))
-    save: dict[str, Any] = {"save_strategy": "steps", "save_steps": 10} if opts["fw_ckpt"] else {"save_strategy": "no"}
+    save: dict[str, Any] = {"save_strategy": "steps", "save_steps": opts["fw_every"] or 10} if opts["fw_ckpt"] else {"save_strategy": "no"}
     if opts["noise"]:  # an evaluation every 8 steps: its loader's random draws happen between two training steps
         save.update(eval_strategy="steps", eval_steps=8)
     args = TrainingArguments(output_dir=str(out / f"hf-{opts['tag']}"), report_to=[], logging_steps=1, max_steps=opts["steps"],
@@ -239,10 +241,14 @@ def train_lightning(opts: dict[str, Any], out: Path, log: Log, final: dict[str, 
     val = torch.utils.data.DataLoader(Samples(True), batch_size=BATCH) if opts["noise"] else None
     counter = Counter()
     final["counter"] = counter
+    callbacks: list[Any] = [counter]
+    if opts["fw_ckpt"] and opts["fw_every"]:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=str(out / f"lightning-{opts['tag']}" / "checkpoints"),
+                                                             every_n_train_steps=opts["fw_every"], save_top_k=-1))
     trainer = L.Trainer(max_steps=opts["steps"], accumulate_grad_batches=opts["ga"], enable_checkpointing=opts["fw_ckpt"], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
                         **({"devices": WORLD, "strategy": "ddp"} if WORLD > 1 else {"devices": 1}),
-                        default_root_dir=str(out / f"lightning-{opts['tag']}"), callbacks=[counter],
+                        default_root_dir=str(out / f"lightning-{opts['tag']}"), callbacks=callbacks,
                         **({"val_check_interval": 8, "limit_val_batches": 3, "num_sanity_val_steps": opts["sanity"]} if opts["noise"] else {}))
     final.update(model=module, trainer=trainer)
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=val)
@@ -274,14 +280,14 @@ def train_accelerate(opts: dict[str, Any], out: Path, log: Log, final: dict[str,
                 own += 1
                 losses, micro = micro, []
                 log.step(ravex.step() or own, losses, opt.param_groups[0]["lr"], dl.iteration)
-                if opts["fw_ckpt"] and own % 5 == 0:  # Accelerate's own checkpoint as well
+                if opts["fw_ckpt"] and own % (opts["fw_every"] or 5) == 0:  # Accelerate's own checkpoint as well
                     acc.save_state(str(out / f"accelerate-{opts['tag']}" / f"step{own}"))
                 if own >= opts["steps"] and not RAVEX_ON:
                     return  # the reference run: no Ravex to stop it
 
 
 def main() -> None:
-    opts: dict[str, Any] = {"noise": False, "workers": 0, "ga": 2, "steps": 40, "fw_ckpt": False, "sanity": 2, **json.loads(sys.argv[1])}
+    opts: dict[str, Any] = {"noise": False, "workers": 0, "ga": 2, "steps": 40, "fw_ckpt": False, "fw_every": None, "sanity": 2, **json.loads(sys.argv[1])}
     out = Path(sys.argv[2])
     framework, tag = opts["framework"], opts["tag"]
     for name in IMPORTS[framework]:

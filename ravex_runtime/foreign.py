@@ -278,7 +278,9 @@ def adapt(f: Foreign, live: Tracked, rank: int) -> Adapted:
 def _optimizer(f: Foreign, live: Tracked, names: dict[str, str], reads: _Reads, tensors: dict[str, torch.Tensor], objs: dict[str, Any]) -> None:
     ckpt = f.ckpt
     saved_groups = ckpt.objects.get("optim.param_groups")
-    has_state = any(n.startswith(OPTIM) for n in ckpt.tensors)
+    # keyed by position, and the reader could not tell which parameter each is (Accelerate's optimizer.bin by shape)
+    unnamed = ckpt.source.get("optimizer_error") is not None
+    has_state = unnamed or any(n.startswith(OPTIM) for n in ckpt.tensors)
     if not live.optimizers:
         if has_state:
             log.warning("ravex: %s holds optimizer state, but this run has no optimizer by its first iteration: only the weights are loaded", f.label)
@@ -292,10 +294,11 @@ def _optimizer(f: Foreign, live: Tracked, names: dict[str, str], reads: _Reads, 
     opt = live.optimizers[0]
     pn = live.param_names()
     live_groups = [[names.get(pn.get(id(p), ""), pn.get(id(p), "?")) for p in g["params"]] for g in opt.param_groups]
-    if isinstance(saved_groups, list) and saved_groups and any(isinstance(p, int) for g in saved_groups for p in g.get("params", [])):
-        # Keyed by position (torch.save): the live optimizer's order names them, as --param-names would.
-        from ravex_convert.formats import registry
+    from ravex_convert.formats import registry
 
+    positional = unnamed or (isinstance(saved_groups, list) and saved_groups and any(isinstance(p, int) for g in saved_groups for p in g.get("params", [])))
+    if positional and "param_names" in registry.get(f.format).options:
+        # Keyed by position (torch.save, Accelerate, HF Trainer): the live optimizer's order names them, as --param-names would.
         order = [n for g in live_groups for n in g]
         ckpt = f.ckpt = registry.get(f.format).read(f.path, param_names=order)
         saved_groups = ckpt.objects.get("optim.param_groups")
@@ -419,14 +422,41 @@ def _scheduler_steps(saved: Any) -> int | None:
     return None
 
 
+def _saved_scheduler(ckpt: Checkpoint) -> Any:
+    """The first LR scheduler's saved state: Ravex's ``lr_scheduler`` object (DeepSpeed, the HF
+    Trainer's ``scheduler.pt``, Accelerate's ``scheduler.bin``), torchtitan's ``lr_scheduler``
+    key, or the first of a Lightning ``.ckpt``'s ``lr_schedulers``."""
+    found = ckpt.objects.get("lr_scheduler")
+    extra = ckpt.objects.get("extra")
+    if found is None and isinstance(extra, dict):
+        found = extra.get("lr_scheduler")
+        several = extra.get("lr_schedulers")
+        if found is None and isinstance(several, list) and several:
+            found = several[0]
+    return found
+
+
+def _lightning_batches(ckpt: Checkpoint) -> int | None:
+    """The training batches a Lightning ``.ckpt`` records as done (its fit loop's progress)."""
+    extra = ckpt.objects.get("extra")
+    loops = extra.get("loops") if isinstance(extra, dict) else None
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    progress = fit.get("epoch_loop.batch_progress") if isinstance(fit, dict) else None
+    total = progress.get("total") if isinstance(progress, dict) else None
+    done = total.get("processed") if isinstance(total, dict) else None
+    return done if isinstance(done, int) and not isinstance(done, bool) and done >= 0 else None
+
+
 def _schedulers(f: Foreign, live: Tracked, objs: dict[str, Any], step: int | None) -> None:
-    saved = f.ckpt.objects.get("lr_scheduler")
+    saved = _saved_scheduler(f.ckpt)
     lrs = [g.get("lr") for g in objs.get("optim.param_groups", [])]
     for i, sch in enumerate(live.schedulers):
         key = "lr_scheduler" if i == 0 else f"lr_scheduler.{i}"
         cur = sch.state_dict()
-        if i == 0 and isinstance(saved, dict) and set(saved) == set(cur) and not _links(saved):
-            objs[key] = saved
+        # The same kind: the same keys. A LambdaLR's lr_lambdas (its functions' own attributes, not where the
+        # schedule stands) may be missing: DCP drops a list of empty dicts, and torchtitan's partials have none.
+        if i == 0 and isinstance(saved, dict) and set(saved) <= set(cur) and set(cur) - set(saved) <= {"lr_lambdas"} and not _links(saved):
+            objs[key] = {**cur, **saved}
             continue
         count = _scheduler_steps(saved) if i == 0 else None
         if count is None:
@@ -460,6 +490,9 @@ def _samples(f: Foreign, step: int | None, per_step: int) -> tuple[int, str]:
         tbs = (zero.get("ds_config") or {}).get("train_batch_size")
         if isinstance(tbs, int) and step is not None:
             return step * tbs, "global_steps x train_batch_size"
+    batches = _lightning_batches(f.ckpt)
+    if batches is not None:
+        return batches * per_step, f"the batches Lightning's fit loop records x this run's global batch ({per_step})"
     return (step or 0) * per_step, f"the step count x this run's global batch ({per_step}: one batch per rank per step assumed)"
 
 

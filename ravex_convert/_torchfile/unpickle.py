@@ -363,6 +363,9 @@ _RECORD_CLASSES = [
     "torch.layout",
     "argparse.Namespace",
     "torch.nn.parameter.Parameter",
+    # A BytesIO saved whole (torchtitan's TrainState kept its loss history so): its bytes are kept,
+    # never opened as a pickle of their own.
+    "_io.BytesIO",
     # _rebuild_from_type_v2 names the tensor class; DeepSpeed's ZeRO-3 fp32
     # partitions are plain tensors carrying attributes (ds_id) this way.
     "torch.Tensor",
