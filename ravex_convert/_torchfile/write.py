@@ -20,7 +20,7 @@ from typing import Any
 
 from .._dtypes import STORAGE_CLASSES, V1_DTYPES
 from ..errors import RavexError
-from .unpickle import DType
+from .unpickle import DType, Record
 
 __all__ = ["SERIALIZATION_ID", "STORAGE_TYPES", "PickleDict", "PickleGlobal", "PickleObject", "StorageOut", "TensorOut", "ZipLayout", "dumps"]
 
@@ -188,6 +188,9 @@ class _Pickler:
                     self.save(k, f"{path}<key {i}>")
                     self.save(x, f"{path}[{i}]")
                 w(b"u")
+        elif isinstance(v, Record) and v.cls == "_io.BytesIO" and not v.args and not v.items:
+            # a BytesIO saved whole (torchtitan's loss history) goes back as it came: its bytes, never opened
+            self.save(PickleObject("_io", "BytesIO", (), v.state, newobj=True), path)
         elif isinstance(v, PickleObject):
             self.global_(v.module, v.name)
             self.save(tuple(v.args), f"{path}<args>")
