@@ -10,7 +10,8 @@ continues, with ``noise`` off and one micro-batch a step; ``titan``: see below),
 (the global step to stop at).
 
 - ``hf``: the GPT-2 of framework_train.py, AdamW in the Trainer's two groups (decay, no decay),
-  the Trainer's linear schedule with 2 warm-up steps over ``steps``;
+  the Trainer's linear schedule with 2 warm-up steps over ``steps`` (``one_group``: one group, as
+  DeepSpeed builds the Trainer's optimizer under DeepSpeed);
 - ``lightning``: the MLP as the LightningModule's ``net`` (its names ``net.0.weight``, ...), Adam
   and a StepLR, as ``configure_optimizers`` made them;
 - ``accelerate``: the MLP itself (Accelerate saves the unwrapped model's names), Adam, StepLR;
@@ -25,7 +26,8 @@ Data: framework_train.py's datasets in order (batch 4, no shuffle); a resumed ru
 on by Ravex. One JSON line per optimizer step in ``OUTDIR/log-<tag>.jsonl``: ``step``, ``loss``
 (``float.hex()``), ``lr`` (the first group's after the scheduler's step). At its first batch it
 writes ``OUTDIR/restored-<tag>.json``: the scheduler's state and each parameter group's ``lr``
-and Adam step count as they are then (put in by Ravex, when resumed).
+and Adam step count as they are then (put in by Ravex, when resumed); with ``dump``, also
+``OUTDIR/restored-<tag>.safetensors``, the parameters then.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def warmup(step: int, warm: int) -> float:
     return min(1.0, (step + 1) / warm)
 
 
-def build(kind: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, torch.utils.data.Dataset[Any]]:
+def build(kind: str, steps: int, one_group: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, torch.utils.data.Dataset[Any]]:
     data: torch.utils.data.Dataset[Any]
     if kind == "hf":
         from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
@@ -73,7 +75,10 @@ def build(kind: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
         no_decay = [n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)]
         decay = [p for n, p in model.named_parameters() if not n.endswith("bias") and n.rpartition(".")[0] not in no_decay]
         rest = [p for n, p in model.named_parameters() if n.endswith("bias") or n.rpartition(".")[0] in no_decay]
-        opt: torch.optim.Optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+        groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": 0.0}, {"params": rest, "weight_decay": 0.0}]
+        if one_group:  # the Trainer under DeepSpeed: DeepSpeed builds its AdamW over all parameters
+            groups = [{"params": decay + rest, "weight_decay": 0.01}]
+        opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=1e-3)
         return model, opt, get_linear_schedule_with_warmup(opt, 2, steps), Tokens(False)  # type: ignore[no-untyped-call]
     model = Lit() if kind == "lightning" else mlp(False)
     data = Samples(False)
@@ -118,7 +123,7 @@ def main() -> None:
     @ravex.train_loop()  # type: ignore[untyped-decorator]
     def train() -> None:
         torch.manual_seed(0)
-        model, opt, sched, data = build(kind, steps)
+        model, opt, sched, data = build(kind, steps, bool(opts.get("one_group")))
         loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
         own, losses = 0, []
         while own < steps:
@@ -128,6 +133,10 @@ def main() -> None:
                     seen = {"scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"},
                             "lrs": [g["lr"] for g in opt.param_groups], "adam_step": float(opt.state.get(first, {}).get("step", 0))}
                     (out / f"restored-{tag}.json").write_text(json.dumps(seen))
+                    if opts.get("dump"):  # the weights as put in (the tied head once)
+                        from safetensors.torch import save_file
+
+                        save_file({n: p.detach().clone() for n, p in model.named_parameters()}, str(out / f"restored-{tag}.safetensors"))
                 loss = loss_of(kind, model, batch)
                 loss.backward()  # type: ignore[no-untyped-call]
                 if kind == "hf":  # the Trainer's max_grad_norm

@@ -82,3 +82,30 @@ def test_the_trainer_resumes_at_three_ranks(run: Path, tmp_path: Path) -> None:
     assert state["global_step"] == 4
     start = load_file(str(run / "final.safetensors"))
     assert final.keys() == start.keys() and all(torch.isfinite(v).all() for v in final.values())
+
+
+def test_a_plain_script_resumes_from_it(run: Path, tmp_path: Path) -> None:
+    """``resume_from`` the Trainer's DeepSpeed ``checkpoint-2`` in a plain decorated script, one
+    process (integration/plain_resume.py): the weights put in are DeepSpeed's own fp32
+    consolidation of it, bit for bit; Adam's step count and the scheduler's are 2; the data
+    position is DeepSpeed's ``global_samples``; it trains steps 3 and 4."""
+    import subprocess
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    script = Path(__file__).resolve().with_name("plain_resume.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAVEX_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu", RAVEX_STORAGE_PATH=str(tmp_path / "store"),
+               RAVEX_RESUME_FROM=str(run / "checkpoint-2"))
+    opts = {"kind": "hf", "tag": "ds", "steps": 4, "dump": True, "one_group": True}
+    res = subprocess.run([sys.executable, "-P", str(script), json.dumps(opts), str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "skips the 16 samples" in res.stderr and "DeepSpeed's global_samples" in res.stderr
+    ref = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoint-2"))
+    got = load_file(str(tmp_path / "restored-ds.safetensors"))
+    assert set(ref) - set(got) == {"lm_head.weight"}  # tied to the embedding: one parameter
+    assert all(torch.equal(got[k], ref[k]) for k in got)
+    seen = json.loads((tmp_path / "restored-ds.json").read_text())
+    assert seen["adam_step"] == 2 and seen["scheduler"]["last_epoch"] == 2
+    assert [json.loads(line)["step"] for line in (tmp_path / "log-ds.jsonl").read_text().splitlines()] == [3, 4]
