@@ -15,6 +15,10 @@ continues, with ``noise`` off and one micro-batch a step; ``titan``: see below),
 - ``lightning``: the MLP as the LightningModule's ``net`` (its names ``net.0.weight``, ...), Adam
   and a StepLR, as ``configure_optimizers`` made them;
 - ``accelerate``: the MLP itself (Accelerate saves the unwrapped model's names), Adam, StepLR;
+- ``lightning_ds``, ``accelerate_fsdp``: the models, optimizers and schedulers of the fixtures
+  ``lightning_ds{2,3}_ws2`` (tests/_lightning_model.py's ``Tiny(groups=2)``, as its
+  ``configure_optimizers`` makes them) and ``accelerate_fsdp2_ws2`` (fixtures/_accelerate_fsdp.py),
+  one process with the 2-rank source's global batch (8, 6);
 - ``titan``: the MLP, AdamW in two groups and a warm-up ``LambdaLR`` of a ``functools.partial``, as
   torchtitan builds them. With ``save_at`` (run with ``RAVEX_ENABLED=0``) it writes, after that
   step, a DCP in torchtitan's layout at ``OUTDIR/titan-<tag>/step-<k>``: the model's keys at the
@@ -27,7 +31,7 @@ on by Ravex. One JSON line per optimizer step in ``OUTDIR/log-<tag>.jsonl``: ``s
 (``float.hex()``), ``lr`` (the first group's after the scheduler's step). At its first batch it
 writes ``OUTDIR/restored-<tag>.json``: the scheduler's state and each parameter group's ``lr``
 and Adam step count as they are then (put in by Ravex, when resumed); with ``dump``, also
-``OUTDIR/restored-<tag>.safetensors``, the parameters then.
+``OUTDIR/restored-<tag>.safetensors``, the state then (:func:`dump`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # python -P leaves the script's own directory out
+sys.path[1:1] = [str(Path(__file__).resolve().parents[1] / d) for d in ("tests", "fixtures")]  # the fixtures' models
 from framework_train import BATCH, VOCAB, Samples, Tokens, hexf, mlp
 
 import ravex
@@ -80,6 +85,19 @@ def build(kind: str, steps: int, one_group: bool = False) -> tuple[torch.nn.Modu
             groups = [{"params": decay + rest, "weight_decay": 0.01}]
         opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=1e-3)
         return model, opt, get_linear_schedule_with_warmup(opt, 2, steps), Tokens(False)  # type: ignore[no-untyped-call]
+    if kind == "lightning_ds":  # the fixtures lightning_ds{2,3}_ws2: tests/_lightning_model.py's Tiny(groups=2)
+        from _lightning_model import Samples as LitSamples  # type: ignore[import-not-found]
+        from _lightning_model import Tiny
+
+        lit = Tiny(groups=2)
+        made = lit.configure_optimizers()
+        return lit, made["optimizer"], made["lr_scheduler"]["scheduler"], LitSamples()
+    if kind == "accelerate_fsdp":  # the fixture accelerate_fsdp2_ws2 (fixtures/_accelerate_fsdp.py)
+        import _accelerate_fsdp as A  # type: ignore[import-not-found]
+
+        tiny = A.Tiny()
+        opt = torch.optim.AdamW(A.groups(tiny), betas=(0.9, 0.95), eps=1e-8)
+        return tiny, opt, A.scheduler(opt), A.dataset()
     model = Lit() if kind == "lightning" else mlp(False)
     data = Samples(False)
     if kind == "titan":
@@ -92,6 +110,10 @@ def build(kind: str, steps: int, one_group: bool = False) -> tuple[torch.nn.Modu
 
 
 def loss_of(kind: str, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    if kind == "lightning_ds":
+        lit: Any = model
+        found: torch.Tensor = lit.training_step(batch, 0)
+        return found
     if kind == "hf":  # divided by the labels before the shift, as the Trainer's num_items_in_batch is
         out: torch.Tensor = model(**batch, num_items_in_batch=(batch["labels"] != -100).sum()).loss
         return out
@@ -113,6 +135,20 @@ def titan_save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, s
     (path.parent / f"scheduler-{step}.json").write_text(json.dumps({k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}))
 
 
+def dump(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    """The state as put in: ``model/<name>`` (the state dict: parameters and buffers) and
+    ``optim/<state>/<name>`` (Adam's moments), the fixtures' true_state naming."""
+    from safetensors.torch import save_file
+
+    out = {f"model/{n}": t.detach().clone() for n, t in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if k in ("exp_avg", "exp_avg_sq"):
+                out[f"optim/{k}/{names[id(p)]}"] = v.detach().clone()
+    save_file(out, str(path))
+
+
 def main() -> None:
     opts: dict[str, Any] = json.loads(sys.argv[1])
     out = Path(sys.argv[2])
@@ -124,7 +160,8 @@ def main() -> None:
     def train() -> None:
         torch.manual_seed(0)
         model, opt, sched, data = build(kind, steps, bool(opts.get("one_group")))
-        loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+        batch_size = {"lightning_ds": 8, "accelerate_fsdp": 6}.get(kind, BATCH)  # one process: the 2-rank source's global batch
+        loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)
         own, losses = 0, []
         while own < steps:
             for batch in loader:
@@ -133,10 +170,8 @@ def main() -> None:
                     seen = {"scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"},
                             "lrs": [g["lr"] for g in opt.param_groups], "adam_step": float(opt.state.get(first, {}).get("step", 0))}
                     (out / f"restored-{tag}.json").write_text(json.dumps(seen))
-                    if opts.get("dump"):  # the weights as put in (the tied head once)
-                        from safetensors.torch import save_file
-
-                        save_file({n: p.detach().clone() for n, p in model.named_parameters()}, str(out / f"restored-{tag}.safetensors"))
+                    if opts.get("dump"):
+                        dump(model, opt, out / f"restored-{tag}.safetensors")
                 loss = loss_of(kind, model, batch)
                 loss.backward()  # type: ignore[no-untyped-call]
                 if kind == "hf":  # the Trainer's max_grad_norm

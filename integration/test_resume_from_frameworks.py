@@ -116,3 +116,36 @@ def test_a_mismatch_stops_before_the_first_step(sources: Path, zygote: Zygote, t
     assert run.returncode != 0
     assert said in run.stderr, run.stderr[-3000:]
     assert log(tmp_path / "log-bad.jsonl") == []
+
+
+# The strategies' layouts, as the frameworks wrote them at 2 ranks (fixtures/_lightning_ds.py,
+# fixtures/_accelerate_fsdp.py): fixture -> (the plain script's kind, the checkpoint the user names).
+STRATEGY = {"lightning_ds2_ws2": ("lightning_ds", "checkpoint/last.ckpt"), "lightning_ds3_ws2": ("lightning_ds", "checkpoint/last.ckpt"),
+            "accelerate_fsdp2_ws2": ("accelerate_fsdp", "checkpoint/state")}
+
+
+@pytest.mark.parametrize("fixture", list(STRATEGY))
+def test_a_plain_script_resumes_a_strategys_directory(zygote: Zygote, tmp_path: Path, fixture: str) -> None:
+    """Lightning's DeepSpeed strategy (ZeRO-2, ZeRO-3) and Accelerate under FSDP2, 2 ranks, resumed by
+    one process: the weights, buffers and Adam moments put in are the live state recorded at the
+    save, bit for bit; the scheduler's state is the saved one; Adam's step count is the saved step;
+    three more steps are trained. (Those runs shuffled or ran 2 ranks: their continuation's losses
+    are not compared.)"""
+    import torch
+    from safetensors.torch import load_file
+
+    data = Path(__file__).resolve().parents[1] / "fixtures" / "data" / fixture
+    kind, rel = STRATEGY[fixture]
+    meta = json.loads((data / "reference" / "true_state.json").read_text())
+    step = meta.get("global_step", meta.get("optimizer_step"))
+    env = {**base_env(), "RAVEX_STORAGE_PATH": str(tmp_path / "store"), "RAVEX_RESUME_FROM": str(data / rel), "RAVEX_CHECKPOINT_EVERY": "100"}
+    run = zygote.start(PLAIN, [json.dumps({"kind": kind, "tag": "s", "steps": step + 3, "dump": True}), str(tmp_path)], env, tmp_path, "s")
+    finished(zygote, run)
+    true = {k: v for k, v in load_file(str(data / "reference" / "true_state.safetensors")).items() if k.startswith(("model/", "optim/exp_avg"))}
+    got = load_file(str(tmp_path / "restored-s.safetensors"))
+    assert set(got) == set(true)
+    assert all(torch.equal(got[k], true[k]) for k in true), [k for k in true if not torch.equal(got[k], true[k])]
+    seen = json.loads((tmp_path / "restored-s.json").read_text())
+    assert seen["scheduler"] == {k: v for k, v in meta["lr_scheduler_state"].items() if k != "lr_lambdas"}
+    assert seen["adam_step"] == step
+    assert [line["step"] for line in log(tmp_path / "log-s.jsonl")] == [step + 1, step + 2, step + 3]
