@@ -7,7 +7,9 @@ optimizer flattened (``flatten_optimizer_state_dict=True``), newer versions with
 the model's keys at the top level. Each is made here with real torch, in one
 process, and Ravex's outputs are loaded back with torch's own loaders
 (``dcp.load`` into the real objects, ``torch.load(weights_only=True)``) and
-compared bit for bit with the live state at save time.
+compared bit for bit with the live state at save time. The recipe's state as one
+torch.save file (PyTorch's ``dcp_to_torch_save``, or Ravex's own ``--to torch_save
+--layout source``) keeps the nesting, and is read as its DCP is.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import run_ravex
+from conftest import run_ravex, run_without_torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 import ravex_convert
 from ravex_convert import read_checkpoint
+from ravex_convert.errors import UnknownFormatError
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -268,3 +272,108 @@ def test_dcp_to_torch_save_keeps_scheduler_dicts(tmp_path: Path) -> None:
     sd = torch.load(tmp_path / "out.pt", weights_only=True)
     assert sd["lr_scheduler"] == scheduler.state_dict()
     assert not any("/" in k for k in sd)
+
+
+# ---------------------------------------------------------------- the recipe's state as one torch.save file
+
+
+@pytest.fixture(params=["dcp_to_torch_save", "ravex"])
+def nested_pt(request: pytest.FixtureRequest, recipe: tuple[Path, Any], tmp_path: Path) -> Path:
+    """The recipe DCP as one torch.save file, written by PyTorch's format_utils or by
+    Ravex (``--to torch_save --layout source``): ``{"app": {"model", "optim", "progress"}, "epoch"}``."""
+    pt = tmp_path / "recipe.pt"
+    if request.param == "dcp_to_torch_save":
+        quiet(dcp_to_torch_save, recipe[0], pt)
+    else:
+        ravex_convert.convert(recipe[0], pt, "torch_save", writer={"layout": "source"})
+    return pt
+
+
+def test_nested_torch_save_inspect_finds_the_model_and_optimizer_under_app(recipe: tuple[Path, Any], nested_pt: Path) -> None:
+    weights, state, _ = recipe[1]
+    held = torch.load(nested_pt, weights_only=True)
+    assert list(held) == ["app", "epoch"] and list(held["app"]) == ["model", "optim", "progress"]
+    # the optimizer as get_state_dict gave it to dcp.save: keyed by parameter name, not position
+    assert set(held["app"]["optim"]["state"]) == set(state)
+    assert [g["params"] for g in held["app"]["optim"]["param_groups"]] == [["0.weight", "2.weight", "3.weight"], ["0.bias", "2.bias", "3.bias"]]
+    doc = json.loads(run_without_torch("import sys, json, ravex_convert\n"
+                                       "print(json.dumps(ravex_convert.inspect(sys.argv[1]).to_json(tensors=True)))", str(nested_pt)))
+    assert doc["format"] == "torch_save" and doc["step"] == 3 and doc["num_params"] == 72
+    assert doc["state_layout"] == {"model": "app.model", "optimizer": "app.optim", "optimizer_form": "nested"}
+    assert doc["model_key"] == "app.model" and doc["optimizer_key"] == "app.optim" and doc["optimizer"]["kind"] == "Adam"
+    assert "model state dict at 'app.model', optimizer at 'app.optim'" in doc["reasons"]
+    assert {t["name"] for t in doc["tensors"] if t["kind"] == "param"} == set(weights)
+    assert {t["name"] for t in doc["tensors"] if t["kind"] == "optim"} == {f"optim.{k}/{f}" for f, per in state.items() for k in per}
+
+
+def test_nested_torch_save_to_safetensors_is_the_live_weights(recipe: tuple[Path, Any], nested_pt: Path, tmp_path: Path) -> None:
+    ravex_convert.convert(nested_pt, tmp_path / "w.safetensors", "safetensors")
+    got = load_file(tmp_path / "w.safetensors")
+    assert got.keys() == recipe[1][0].keys() and all(same(got[k], v) for k, v in recipe[1][0].items())
+
+
+def test_nested_torch_save_to_torch_save_and_dcp_keeps_the_nesting(recipe: tuple[Path, Any], nested_pt: Path, tmp_path: Path) -> None:
+    ravex_convert.convert(nested_pt, tmp_path / "out.pt", "torch_save")  # --layout source, the default
+    sd = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert list(sd) == ["app", "epoch"] and sd["epoch"] == 3 and list(sd["app"]) == ["model", "optim", "progress"]
+    model, optimizer = make(99)
+    app = AppState(model, optimizer)
+    app.load_state_dict(sd["app"])  # the AppState's own loading
+    assert_live(model, optimizer, recipe[1])
+    assert app.progress == {"epoch": 3, "seen": [12, 7]}
+    # and back to a DCP with the recipe's own keys, which dcp.load reads into the AppState
+    ravex_convert.convert(nested_pt, tmp_path / "dcp", "dcp")
+    assert FileSystemReader(str(tmp_path / "dcp")).read_metadata().planner_data == FileSystemReader(str(recipe[0])).read_metadata().planner_data
+    app, state = load_recipe(tmp_path / "dcp")
+    assert_live(app.model, app.optimizer, recipe[1])
+    assert state["epoch"] == 3 and app.progress == {"epoch": 3, "seen": [12, 7]}
+
+
+def test_verify_nested_torch_save_against_its_dcp_and_the_live_state(recipe: tuple[Path, Any], nested_pt: Path, tmp_path: Path) -> None:
+    res = run_ravex("verify", recipe[0], nested_pt)
+    assert res.returncode == 0 and "identical: 24 tensors, 222 elements bit-identical" in res.stdout, res.stdout + res.stderr
+    # read as its DCP is read: the same tensors, the same other state at its nesting (once), the same layout
+    from_dcp, from_pt = read_checkpoint(recipe[0]), read_checkpoint(nested_pt)
+    assert from_pt.tensors.keys() == from_dcp.tensors.keys() and from_pt.step == from_dcp.step == 3
+    assert from_pt.objects == from_dcp.objects and from_pt.objects["extra"] == {"app": {"progress": {"epoch": 3, "seen": [12, 7]}}, "epoch": 3}
+    assert from_pt.source["state_layout"] == from_dcp.source["state_layout"]
+    weights, state, groups = recipe[1]
+    torch.save({"model": weights, "optim": {"state": state, "param_groups": groups}}, tmp_path / "live.pt")
+    assert ravex_convert.verify(tmp_path / "live.pt", nested_pt).identical
+    held = torch.load(nested_pt, weights_only=True)
+    held["app"]["optim"]["state"]["2.weight"]["exp_avg"].view(torch.int32)[1, 4] ^= 1
+    torch.save(held, tmp_path / "flipped.pt")
+    diffs = ravex_convert.verify(recipe[0], tmp_path / "flipped.pt").differences
+    assert [(d.name, d.kind, d.count, d.first_index) for d in diffs] == [("optim.exp_avg/2.weight", "values", 1, [1, 4])]
+
+
+def test_nested_torch_save_at_depth_two(tmp_path: Path) -> None:
+    model, optimizer = trained()
+    msd, osd = get_state_dict(model, optimizer)
+    quiet(dcp.save, {"runs": {"main": {"model": msd, "optim": osd}}, "seed": 7}, checkpoint_id=str(tmp_path / "src"))
+    quiet(dcp_to_torch_save, tmp_path / "src", tmp_path / "src.pt")
+    want = live(model, optimizer)
+    info = ravex_convert.inspect(tmp_path / "src.pt")
+    assert info.extra["state_layout"] == {"model": "runs.main.model", "optimizer": "runs.main.optim", "optimizer_form": "nested"}
+    assert ravex_convert.verify(tmp_path / "src", tmp_path / "src.pt").identical
+    ravex_convert.convert(tmp_path / "src.pt", tmp_path / "out.pt", "torch_save")
+    sd = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert list(sd) == ["runs", "seed"] and sd["seed"] == 7 and list(sd["runs"]) == ["main"] and list(sd["runs"]["main"]) == ["model", "optim"]
+    fresh, opt = make(99)
+    set_state_dict(fresh, opt, model_state_dict=sd["runs"]["main"]["model"], optim_state_dict=sd["runs"]["main"]["optim"])
+    assert_live(fresh, opt, want)
+
+
+def test_a_nested_torch_save_without_a_model_is_refused(recipe: tuple[Path, Any], tmp_path: Path) -> None:
+    """Nested state with no model anywhere: the optimizer alone (its tensors are no model), or no tensor at all."""
+    _, state, groups = recipe[1]
+    for name, held in (("optim_only.pt", {"app": {"optim": {"state": state, "param_groups": groups}, "progress": {"epoch": 3}}, "epoch": 3}),
+                       ("no_tensors.pt", {"app": {"progress": {"epoch": 3, "seen": [12, 7]}}, "epoch": 3})):
+        torch.save(held, tmp_path / name)
+        with pytest.raises(UnknownFormatError) as exc:
+            ravex_convert.convert(tmp_path / name, tmp_path / "out.safetensors", "safetensors")
+        assert exc.value.message == (f"{tmp_path / name}: a torch.save file, but no model state dict found in it, "
+                                     "at the top level ('app', 'epoch') or nested below it")
+        assert exc.value.hint is not None and "dcp_to_torch_save" in exc.value.hint and not (tmp_path / "out.safetensors").exists()
+    res = run_ravex("inspect", tmp_path / "optim_only.pt")
+    assert res.returncode == 4 and res.stderr.startswith(f"error: {tmp_path / 'optim_only.pt'}: a torch.save file, but no model state dict"), res.stderr

@@ -4,7 +4,10 @@ Layouts people actually have (DESIGN.md, "conventions"):
 - a bare state dict ``{name: tensor}``;
 - ``{"model": sd, "optimizer": <torch optimizer state_dict, integer keyed>, ...}``;
 - Ravex's portable layout ``{"model": sd, "optim": <keyed by parameter name>, ...}``;
-- Lightning's ``{"state_dict": sd, "optimizer_states": [...], "global_step": n}``.
+- Lightning's ``{"state_dict": sd, "optimizer_states": [...], "global_step": n}``;
+- any of these nested deeper, as ``dcp_to_torch_save`` writes the DCP recipe's
+  ``{"app": {"model", "optim"}}``: found where the DCP reader finds them
+  (:mod:`._nesting`).
 
 Whichever it is, the reader records where the model and optimizer sat (and
 whether the optimizer was keyed by position) as a ``StateLayout``, and the
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .._engine import page_residue
-from .._layout import SOURCE_KEY, StateLayout, layout_of, optimizer_tree, place, unflatten_optimizer
+from .._layout import SOURCE_KEY, PathItem, StateLayout, layout_of, optimizer_tree, place, unflatten_optimizer
 from .._output import Options, out_dtype
 from .._paths import inside
 from .._torchfile.archive import TorchArchive, gather_strided, is_torch_zip, open_archive, verify_crcs
@@ -34,6 +37,7 @@ from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, Tens
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
 from ..objects import key_of
 from ..plan import OutFile, WritePlan, run
+from . import _nesting as state_tree
 from .options import LAYOUT, WriteOptions, option
 
 __all__ = ["LAYOUTS", "LIGHTNING", "SUFFIXES", "TorchSaveOptions", "add_param_state", "describe", "find_model_and_optimizer", "read", "sniff"]
@@ -231,6 +235,9 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
     if found.model_key is not None:
         info.extra["model_key"] = found.model_key
         info.extra["optimizer_key"] = found.optim_key
+    if found.nested:
+        info.extra["state_layout"] = layout_of(ckpt.source).describe()
+        info.reasons.append(f"model state dict at '{found.model_key}'" + (f", optimizer at '{found.optim_key}'" if found.optim_key else ""))
     if found.lightning is not None:
         extra = ckpt.objects.get("extra", {})
         info.extra["state_layout"] = layout_of(ckpt.source).describe()
@@ -341,6 +348,36 @@ class _Found:
     optim: dict[str, Any] | None
     lightning: str | None = None  # the pytorch-lightning_version of a Lightning checkpoint
     optimizers: int = 0  # how many optimizers it holds
+    model_at: tuple[PathItem, ...] = ()  # where the model sits in the file's tree (): the top level
+    optim_at: tuple[PathItem, ...] | None = None  # where the optimizer sits; None: no optimizer
+    nested: bool = False  # found below the top level's keys (by _nesting)
+
+
+def _find(file: Path, root: Any) -> _Found:
+    """Where the model and optimizer sit: under the top level's keys, else
+    nested (``{"app": {"model", "optim"}}``, at any depth), else nowhere: refused."""
+    model_key, sd, optim_key, optim = find_model_and_optimizer(root)
+    if sd is not None:
+        optim_at = LIGHTNING.optim if optim_key == "optimizer_states[0]" else (optim_key,) if optim_key is not None else None
+        variant = "state_dict" if model_key is None else ("training_state" if optim is not None else "model")
+        return _Found(file, variant, model_key, sd, optim_key, optim, model_at=(model_key,) if model_key is not None else (), optim_at=optim_at)
+    nested = state_tree.find(root) if isinstance(root, dict) else None  # a state tree's top level is a dict, as DCP's
+    if nested is None:
+        where = (f", at the top level ({', '.join(repr(k) for k in list(root)[:8])}) or nested below it" if isinstance(root, dict) and root
+                 else " (it holds an empty dict)" if isinstance(root, dict) else f" (it holds a {type(root).__name__}, not a dict)")
+        raise UnknownFormatError(
+            f"{file}: a torch.save file, but no model state dict found in it{where}",
+            hint="Ravex reads a bare state dict, a dict with one of the keys " + ", ".join(_MODEL_KEYS) + ", or such a dict nested at "
+                 "any depth (as dcp_to_torch_save writes {'app': {'model': ..., 'optim': ...}}); save the model's state_dict() in one of these",
+            path=file,
+        )
+    optim_at = nested.optim
+    if optim_at is not None:
+        optim = state_tree.at(root, optim_at)
+        optim = unflatten_optimizer(optim) if nested.optim_flat else optim
+        optim_at = optim_at if optim is not None else None
+    return _Found(file, "training_state" if optim is not None else "model", state_tree.dotted(nested.model), nested.sd,
+                  state_tree.dotted(optim_at) if optim_at is not None else None, optim, model_at=nested.model, optim_at=optim_at, nested=True)
 
 
 def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = False) -> tuple[Checkpoint, _Found]:
@@ -351,20 +388,12 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
     file = path if path.is_file() else _the_file(path)
     archive = open_archive(file)
     root = archive.root
-    model_key, sd, optim_key, optim = find_model_and_optimizer(root)
-    if sd is None:
-        keys = ", ".join(repr(k) for k in list(root)[:8]) if isinstance(root, dict) else type(root).__name__
-        raise UnknownFormatError(
-            f"{file}: a torch.save file, but no model state dict found in it (top level: {keys})",
-            hint="Ravex reads a bare state dict or a dict with one of the keys " + ", ".join(_MODEL_KEYS),
-            path=file,
-        )
+    found = _find(file, root)
+    model_key, sd, optim_key, optim = found.model_key, found.sd, found.optim_key, found.optim
     if optim is not None:
         _check_optimizer(optim, optim_key, file)
-    variant = "state_dict" if model_key is None else ("training_state" if optim is not None else "model")
-    found = _Found(file, variant, model_key, sd, optim_key, optim)
     ckpt = Checkpoint("torch_save", file, world_size=1, step=_step(archive, root, optim))
-    lightning = isinstance(root, dict) and model_key == "state_dict" and (_LIGHTNING_MARK in root or "optimizer_states" in root)
+    lightning = isinstance(root, dict) and not found.nested and model_key == "state_dict" and (_LIGHTNING_MARK in root or "optimizer_states" in root)
     more: list[Any] = []  # a Lightning checkpoint's second, third, ... optimizer
     if lightning:
         found.lightning = str(root.get(_LIGHTNING_MARK, "unknown"))
@@ -387,10 +416,10 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
         # Where the model and optimizer sat (and how the optimizer was keyed): a torch_save output puts them back there,
         # so the code that saved the file loads the output (a flattened optimizer, as a torchtitan DCP written out as
         # torch.save, stays flattened).
-        flat = optim_key is not None and optim_key != "optimizer_states[0]" and "state" not in root[optim_key]
-        where = LIGHTNING.optim if optim_key == "optimizer_states[0]" or (lightning and optim_key is None) else \
-            (optim_key,) if optim_key is not None else ("optim",)
-        ckpt.source[SOURCE_KEY] = StateLayout((model_key,), where, flat, by_index, by_index and param_names is not None).to_json()
+        optim_at = found.optim_at
+        flat = optim_at is not None and optim_at != LIGHTNING.optim and "state" not in state_tree.at(root, optim_at)
+        where = LIGHTNING.optim if lightning and optim_at is None else optim_at or ("optim",)
+        ckpt.source[SOURCE_KEY] = StateLayout(found.model_at, where, flat, by_index, by_index and param_names is not None).to_json()
     if not shallow:
         verify_crcs(archive)  # every storage's bytes against the CRC-32 torch.save recorded (RAVEX_NO_CRC=1 skips)
     aliases = _aliases(sd)
@@ -423,9 +452,11 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
         # kept whole, as saved (keyed by position), under the objects key of a further optimizer
         ckpt.objects[f"optimizer.{i}"] = _objects(archive, other, ckpt, f"{OBJ}optimizer.{i}", shallow)
     if isinstance(root, dict) and model_key is not None:  # a bare state dict is all model
-        for key, value in root.items():
-            if key in (model_key, optim_key) or (optim_key == "optimizer_states[0]" and key == "optimizer_states"):
-                continue
+        # the rest, at its nesting (a nested model's dict goes with its last entry; Lightning's list of optimizers whole)
+        taken = [(*found.model_at, name) for name in sd] if found.nested else [found.model_at]
+        if found.optim_at is not None:
+            taken.append(found.optim_at[:1] if found.optim_at == LIGHTNING.optim else found.optim_at)
+        for key, value in (state_tree.pruned(root, taken) or {}).items():
             ckpt.objects.setdefault("extra", {})[str(key)] = _objects(archive, value, ckpt, f"{OBJ}{key}", shallow)
     return ckpt, found
 
