@@ -299,7 +299,7 @@ def _report(result: dict[str, Any], dst: str, as_json: bool) -> None:
 @_handled
 def reshard_cmd(src: str, dst: str, world_size: int, hyperparameters: str | None, tag: str | None, index: int, ties: tuple[str, ...],
                 materialize_ties: bool, force: bool, dry_run: bool, no_sync: bool, as_json: bool, quiet: bool, **flags: Any) -> None:
-    """Change the number of ranks of SRC (DeepSpeed ZeRO, DCP, Ravex store), model and optimizer state, keeping its format."""
+    """Change the number of ranks of SRC (DeepSpeed ZeRO, DCP, a Ravex store, an HF Trainer or Accelerate directory), model and optimizer state, keeping its format."""
     try:
         writer = _writer_values(flags)
         options = ravex_convert.ConvertOptions(tag=tag, index=index, ties=dict(parse_tie(t) for t in ties), materialize_ties=materialize_ties,

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 import ravex_convert
 from ravex_convert import ConvertOptions
-from ravex_convert.errors import LayoutMismatchError, RavexError
+from ravex_convert.errors import IncompleteCheckpointError, LayoutMismatchError
 
 SCRIPT = Path(__file__).with_name("_accelerate_train.py")
 
@@ -127,10 +127,28 @@ def test_unique_shapes_name_the_positions(tmp_path: Path) -> None:
         assert torch.equal(got[name]["exp_avg"], opt.state[p]["exp_avg"])
 
 
-def test_fsdp_directory_is_refused_with_the_way_round(tmp_path: Path) -> None:
+def test_fsdp_directory_without_its_metadata_is_named(tmp_path: Path) -> None:
+    """An FSDP save_state directory is read as one checkpoint (tests/test_accelerate_fsdp.py); one
+    whose model DCP lacks .metadata (a save that did not finish, a partial copy) is refused, naming it."""
     d = tmp_path / "state"
     (d / "pytorch_model_fsdp_0").mkdir(parents=True)
     (d / "random_states_0.pkl").write_bytes(b"x")
-    with pytest.raises(RavexError, match="pytorch_model_fsdp_0") as exc:
+    with pytest.raises(IncompleteCheckpointError, match=r"pytorch_model_fsdp_0/\.metadata: missing") as exc:
         ravex_convert.read_checkpoint(d)
-    assert "DCP" in (exc.value.hint or "")
+    assert "copy pytorch_model_fsdp_0/ again" in (exc.value.hint or "")
+
+
+def test_world_size_writes_the_fsdp_layout(run: Path, tmp_path: Path) -> None:
+    """A plain save_state has no ranks: --world-size N writes the FSDP layout for N ranks, the
+    same state, keyed by name (the positions named by --param-names)."""
+    out = tmp_path / "state"
+    ravex_convert.convert(run / "state", out, to="accelerate", options=ConvertOptions(param_names=names(run), world_size=2))
+    assert sorted(p.name for p in out.iterdir()) == ["optimizer_0", "pytorch_model_fsdp_0", "random_states_0.pkl", "scheduler.bin"]
+    assert (out / "random_states_0.pkl").read_bytes() == (run / "state" / "random_states_0.pkl").read_bytes()
+    assert ravex_convert.inspect(out).world_size == 2
+    a = ravex_convert.load_state_dict(run / "state", optimizer=True, param_names=names(run))
+    b = ravex_convert.load_state_dict(out, optimizer=True)
+    assert equal(a["model"], b["model"])
+    assert a["optim"]["state"].keys() == b["optim"]["state"].keys()
+    assert all(equal(a["optim"]["state"][n], b["optim"]["state"][n]) for n in a["optim"]["state"])
+    assert a["optim"]["param_groups"] == b["optim"]["param_groups"]

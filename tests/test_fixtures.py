@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DATA, FIXTURES, inspect_json
+from conftest import DATA, FIXTURES, FRAMEWORK_FIXTURES, inspect_json
 
 from ravex_convert.formats.safetensors import read_header
 
@@ -39,13 +39,8 @@ EXPECTED: dict[str, tuple[str, str, int | None, int, int | None, str | None]] = 
 }
 
 
-# Written by the frameworks' own code (fixtures/_lightning_ds.py, fixtures/_accelerate_fsdp.py);
-# their own test files check them.
-FRAMEWORK = {"lightning_ds2_ws2", "lightning_ds3_ws2", "accelerate_fsdp2_ws2"}
-
-
 def test_every_fixture_is_present_and_expected() -> None:
-    assert sorted(p.name for p in DATA.iterdir() if p.is_dir()) == sorted(EXPECTED.keys() | FRAMEWORK)
+    assert sorted(p.name for p in DATA.iterdir() if p.is_dir()) == sorted(EXPECTED.keys() | FRAMEWORK_FIXTURES)
 
 
 def test_manifest_checksums() -> None:

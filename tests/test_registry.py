@@ -60,7 +60,7 @@ def test_every_format_registered_once_in_detection_order() -> None:
 def test_targets_and_reshardable_come_from_the_registry() -> None:
     # the order people read them in (--to's choices, docs/cli.md), not detection order
     assert registry.targets() == TARGETS == ("safetensors", "torch_save", "native", "dcp", "zero", "hf_trainer", "accelerate")
-    assert set(registry.reshardable()) == set(RESHARDABLE) == {"zero", "dcp", "native", "hf_trainer"}
+    assert set(registry.reshardable()) == set(RESHARDABLE) == {"zero", "dcp", "native", "hf_trainer", "accelerate"}
     to = next(p for p in main.commands["convert"].params if p.name == "to")
     assert list(to.type.choices) == list(registry.targets())  # type: ignore[attr-defined]
     # each target's write is the format's existing write function

@@ -237,7 +237,7 @@ _BUILTIN = (
            options=frozenset({"tag", "crc_share"}), writer="zero.writer:write", write_options=ZeroOptions, pointers=("latest",),
            reshardable=True, listed=4),
     Format("accelerate", accelerate.sniff, accelerate.read, accelerate.describe, title="Accelerate save_state directories",
-           looks_like="model.safetensors with optimizer.bin / random_states_0.pkl", options=frozenset({"param_names"}),
+           looks_like="model.safetensors with optimizer.bin / random_states_0.pkl", options=frozenset({"param_names"}), reshardable=True,
            writer="accelerate:write", listed=6),
     Format("safetensors", safetensors.sniff, safetensors.read, safetensors.describe, title="safetensors", writer="safetensors:write",
            write_options=safetensors.SafetensorsOptions, suffixes=(".safetensors",), listed=0),
