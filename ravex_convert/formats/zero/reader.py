@@ -10,6 +10,10 @@ Layout (verified on DeepSpeed 0.19.8; fixtures/README.md has the details):
   partition and optimizer moments. The ``bf16_`` prefix means bf16 was on, not
   which optimizer ran: BF16_Optimizer is told apart by its state having no
   ``zero_stage`` key.
+
+A top-level key of the model-states file that is not DeepSpeed's own is the caller's
+``client_state``, read into ``objects["extra"]`` (client.py); Lightning's
+DeepSpeed strategy keeps its whole state there (a ``<name>.ckpt/`` directory).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ...errors import (
 from ...info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ...model import BUFFER, FROZEN, MODEL, OBJ, PARAMETER, Checkpoint, Chunk, Flat, LogicalTensor, TensorLink, numel
 from ...storage import open_read
+from .client import read_client, show_lightning
 from .layout import Groups, RankFile, corrupt, read_flat_groups, read_stage3, stage3_partition, tensor_chunk
 
 __all__ = ["LATEST", "ZeroLayout", "describe", "locate", "read", "sniff"]
@@ -312,6 +317,7 @@ def describe(path: Path, reasons: list[str], tag: str | None = None) -> Checkpoi
     for r, p in sorted(layout.optim_files.items()):
         files.append(FileInfo(str(p.relative_to(layout.root)), p.stat().st_size, "optim_states", r))
     info.files = files
+    show_lightning(info, ckpt)
     return info
 
 
@@ -418,6 +424,7 @@ def _read(path: Path, tag: str | None = None, *, shallow: bool = False, crc_shar
     if ranks[0].osd.get("loss_scaler") is not None:
         ckpt.objects["loss_scaler"] = _plain(ranks[0].osd["loss_scaler"], ckpt, ranks[0].archive, f"{OBJ}loss_scaler", shallow)
     ckpt.objects["zero"] = _provenance(ms, ranks, stage, variant, precision, ds_config, groups)
+    read_client(ckpt, model, ms, shallow)  # Lightning's DeepSpeed strategy keeps its whole state there
     _check_bytes(ckpt)
     if not shallow:
         _verify_crcs(ckpt, opened, crc_share)

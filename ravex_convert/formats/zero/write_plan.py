@@ -26,6 +26,7 @@ from ..._output import FLOAT_DTYPES, Options, _strip
 from ..._torchfile.archive import open_archive
 from ...errors import LayoutMismatchError, RavexError
 from ...model import BUFFER, MODEL, OPTIM, Checkpoint, LogicalTensor
+from .client import LIGHTNING_MARK
 
 __all__ = ["DS_VERSION", "PRECISIONS", "SUB_GROUP_SIZE", "Group", "Param", "Plan", "find", "make_plan"]
 
@@ -334,6 +335,10 @@ def _lr_scheduler(ckpt: Checkpoint, groups: list[Group], step: int, client: dict
         sched = client.pop("lr_scheduler")
     if sched is not None:
         return sched
+    if LIGHTNING_MARK in client and "lr_schedulers" in client:
+        notes.append("lr_scheduler is None, as Lightning's DeepSpeed strategy saves it: Lightning keeps its schedulers in its own "
+                     "'lr_schedulers' and loads DeepSpeed with load_lr_scheduler_states=False")
+        return None
     lrs = [g.hyper.get("lr") for g in groups]
     base = [g.hyper.get("initial_lr") for g in groups]
     if all(isinstance(v, (int, float)) for v in lrs + base):
