@@ -1,5 +1,5 @@
 """Accelerate's ``load_state`` under FSDP2, at 3 ranks, on two save_state directories:
-for integration/test_accelerate_fsdp.py.
+for integration/test_accelerate_fsdp_load.py.
 
     torchrun --nproc_per_node 3 accelerate_fsdp_train.py OWN RAVEX TRUE_STATE OUT_JSON
 

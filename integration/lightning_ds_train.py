@@ -1,5 +1,5 @@
 """Resume Lightning's DeepSpeed strategy on CPU from a checkpoint directory, under torchrun
-(launched by integration/test_lightning_deepspeed.py):
+(launched by integration/test_lightning_ds_strategy.py):
 
     torchrun --nproc_per_node N integration/lightning_ds_train.py MAX_STEPS CKPT_DIR STAGE OUT_DIR [CKPT_DIR STAGE OUT_DIR ...]
 

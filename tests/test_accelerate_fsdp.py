@@ -6,7 +6,7 @@ Accelerate itself: fixtures/_accelerate_fsdp.py): ``pytorch_model_fsdp_0/`` and
 Judged against the live state recorded at the save (``reference/true_state.*``) and
 against Accelerate's own merge tool (``reference/merged/model.safetensors``). That
 Accelerate's ``load_state`` takes Ravex's 3-rank output is
-integration/test_accelerate_fsdp.py.
+integration/test_accelerate_fsdp_load.py.
 """
 
 from __future__ import annotations

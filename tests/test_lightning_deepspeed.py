@@ -10,7 +10,7 @@ weights and optimizer state are bit-exact; ``--layout lightning`` gives a ``.ckp
 bit-identical to resuming from Lightning's converter output with the true optimizer state added
 (the converter drops the optimizer, so its own output cannot be resumed: measured below). The
 3-rank resume of a resharded directory under the DeepSpeed strategy is in
-integration/test_lightning_deepspeed.py.
+integration/test_lightning_ds_strategy.py.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def test_lightnings_own_converter_output_cannot_resume() -> None:
 def test_resharded_to_three_ranks_keeps_lightnings_state(stage: int, tmp_path: Path) -> None:
     """The DeepSpeed-strategy directory for 3 ranks: same tag layout, Lightning's client state in
     every model-states file, DeepSpeed's own scheduler slot None as Lightning saves it; read back,
-    the state is the source's bit for bit (integration/test_lightning_deepspeed.py resumes it)."""
+    the state is the source's bit for bit (integration/test_lightning_ds_strategy.py resumes it)."""
     out = tmp_path / "last.ckpt"
     res = run_ravex("reshard", src(stage), out, "--world-size", "3")
     assert res.returncode == 0, res.stderr
