@@ -24,6 +24,7 @@ from ravex_runtime import (
     deactivate,
     flush,
     is_active,
+    load_model,
     load_weights,
     restore,
     status,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointInfo", "RavexError", "Session", "__version__", "batch_boundary", "checkpoint", "deactivate", "detect", "flush", "inspect",
-    "is_active", "load_weights", "restore", "status", "step", "track", "train_loop",
+    "is_active", "load_model", "load_weights", "restore", "status", "step", "track", "train_loop",
 ]
 
 

@@ -27,6 +27,8 @@ from ravex_convert.errors import INTERNAL_EXIT, CorruptCheckpointError, RavexErr
 from ravex_convert.formats import registry
 from ravex_convert.formats.options import Flag
 from ravex_convert.info import CheckpointInfo
+from ravex_convert.recipes import KEY as RECIPES
+from ravex_convert.recipes import shown as shown_recipes
 from ravex_convert.ties import parse_tie
 
 if TYPE_CHECKING:
@@ -425,6 +427,8 @@ def _render(info: CheckpointInfo, tensors: bool) -> None:
         rows.append(("optimizer", "none (weights only)"))
     if info.aliases:
         rows.append(("tied", ", ".join(f"{a} -> {b}" for a, b in info.aliases.items())))
+    for name, line in shown_recipes(info.extra.get(RECIPES)):
+        rows.append(("recipe" if name in ("model", "") else f"recipe {name}", line))
     frozen = [t.name for t in info.tensors if t.kind == "frozen"]
     if frozen:
         rows.append(("frozen", ", ".join(frozen)))

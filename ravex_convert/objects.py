@@ -20,6 +20,7 @@ from typing import Any
 
 from .errors import CorruptCheckpointError
 from .model import TensorLink
+from .recipes import valid as _recipes
 
 __all__ = ["KEYS", "RESUMED_FROM", "Key", "check", "key_of"]
 
@@ -82,6 +83,8 @@ KEYS = (
         "(rank -> files it wrote)", _dict, "a dict"),
     Key("tracked", "objects the user tracked (`ravex.track`): name -> `state_dict()`", _dict, "a dict"),
     Key("zero", "DeepSpeed provenance: stage, variant, precision, world size, ds_config, partition layout", _dict, "a dict"),
+    Key("recipes", "how to rebuild the model and other modules tracked by name: `format_version`, `modules` (name -> class or factory "
+        "and its keyword arguments as data, where its weights are); section 13.1", _recipes, "a recipe object (format_version, modules)"),
     Key("extra", "a source's other top-level entries as they were (torch.save keys, DCP non-tensor state, framework progress)",
         _any, "anything"),
 )

@@ -14,14 +14,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .api import batch_boundary, checkpoint, deactivate, flush, is_active, load_weights, restore, status, step, track, train_loop
-from .errors import ResumeError
+from .api import (
+    batch_boundary,
+    checkpoint,
+    deactivate,
+    flush,
+    is_active,
+    load_model,
+    load_weights,
+    restore,
+    status,
+    step,
+    track,
+    train_loop,
+)
+from .errors import RecipeError, ResumeError, UntrustedRecipeError
 
 if TYPE_CHECKING:
     from .session import Session
 
 __all__ = [
-    "ResumeError", "Session", "batch_boundary", "checkpoint", "deactivate", "flush", "is_active", "load_weights", "restore", "status", "step", "track", "train_loop",
+    "RecipeError", "ResumeError", "Session", "UntrustedRecipeError", "batch_boundary", "checkpoint", "deactivate", "flush", "is_active", "load_model",
+    "load_weights", "restore", "status", "step", "track", "train_loop",
 ]
 
 

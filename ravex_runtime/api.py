@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ravex_convert.errors import LayoutMismatchError, RavexError
+from ravex_convert.errors import RavexError
 
 from .config import enabled, load_config
 
@@ -19,7 +20,8 @@ if TYPE_CHECKING:  # the runtime imports torch: loaded when a decorated function
     from .runtime import Runtime
 
 __all__ = [
-    "batch_boundary", "checkpoint", "deactivate", "flush", "is_active", "load_weights", "restore", "status", "step", "track", "train_loop",
+    "batch_boundary", "checkpoint", "deactivate", "flush", "is_active", "load_model", "load_weights", "restore", "status", "step", "track",
+    "train_loop",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -175,7 +177,7 @@ def track(*objs: Any, name: str | None = None) -> None:
         # resumed run that tracks the same objects in the same order.
         key = name if name is not None and len(objs) == 1 else (f"{name}.{i}" if name is not None else
                                                                  f"{type(obj).__name__}.{len(rt.session.tracked().named)}")
-        rt.track(obj, key)
+        rt.track(obj, key, named=name is not None)
 
 
 def batch_boundary() -> None:
@@ -261,22 +263,37 @@ def restore(path: str | Path | None = None, index: int = -1, *, weights_only: bo
 def load_weights(module: Any, path: str | Path, index: int = -1, *, strict: bool = True) -> int:
     """Load only the model weights of a native store's checkpoint into ``module`` (fine-tuning); returns its step."""
     from ravex_convert.model import MODEL
+    from ravex_convert.storage import local_view
 
-    from .loading import load_checkpoint
+    from .loading import load_checkpoint, load_state
 
-    ckpt, tensors = load_checkpoint(Path(path), index)
+    ckpt, tensors = load_checkpoint(local_view(os.fspath(path)), index)
     sd = {n[len(MODEL):]: t for n, t in tensors.items() if n.startswith(MODEL)}
-    # Checked first: torch's load_state_dict copies what fits before it raises for what does not.
-    live = {k: v for k, v in module.state_dict().items() if hasattr(v, "shape")}
-    where = f"checkpoint {ckpt.source.get('index')} of {path}"
-    hint = "load into the model the checkpoint was written from, or pass strict=False to skip names that differ"
-    for k in sorted(sd.keys() & live.keys()):
-        if tuple(sd[k].shape) != tuple(live[k].shape):
-            raise LayoutMismatchError(f"{where}: tensor '{MODEL}{k}' is {list(sd[k].shape)} in the checkpoint, {list(live[k].shape)} in "
-                                      f"{type(module).__name__}; nothing was loaded", hint=hint, path=path)
-    missing, unexpected = sorted(live.keys() - sd.keys()), sorted(sd.keys() - live.keys())
-    if strict and (missing or unexpected):
-        raise LayoutMismatchError(f"{where}: {type(module).__name__} does not match the checkpoint: missing in the checkpoint {missing[:5]}, "
-                                  f"in the checkpoint but not in the model {unexpected[:5]}; nothing was loaded", hint=hint, path=path)
-    module.load_state_dict(sd, strict=strict)
+    load_state(module, sd, f"checkpoint {ckpt.source.get('index')} of {path}", prefix=MODEL, strict=strict, path=path)
     return int(ckpt.step or 0)
+
+
+def load_model(path: str | Path, index: int = -1, *, name: str = "model", trust: Iterable[str] | str = (), map_location: Any = "cpu") -> Any:
+    """Rebuild a module from a native store's checkpoint, without the script that trained it: the
+    class or factory its recipe names is called with the recorded arguments, and the checkpoint's
+    weights are loaded into what it returns (any world size, any storage: a directory, ``objdir:``,
+    ``s3://``). Returns the ``torch.nn.Module``.
+
+    A recipe names code, so nothing is imported unless its top-level package is in ``trust``; what
+    it names must be a ``torch.nn.Module`` subclass or a function annotated to return one
+    (docs/security.md). Arguments are only the recorded data.
+
+    Args:
+        path: the store.
+        index: which checkpoint (-1: the newest complete one).
+        name: which module: ``"model"``, or a module tracked by name (``ravex.track(ema, name="ema")``).
+        trust: the top-level packages whose code the recipe may import (``["my_project"]``, ``["transformers"]``).
+        map_location: where the model is built and its weights put (a recorded ``torch.device`` argument becomes it).
+
+    Raises:
+        UntrustedRecipeError: the recipe names a package not in ``trust`` (nothing was imported).
+        RecipeError: no recipe, or it cannot be rebuilt (missing or changed class, not a module, arguments that do not fit).
+        LayoutMismatchError: what was built does not match the checkpoint's weights (nothing loaded)."""
+    from .rebuild import load_model as load
+
+    return load(path, index, name=name, trust=trust, map_location=map_location)

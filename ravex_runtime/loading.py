@@ -10,12 +10,15 @@ from typing import Any
 
 import torch
 
-from ravex_convert.errors import RavexError
+from ravex_convert.errors import LayoutMismatchError, RavexError
 from ravex_convert.model import MODEL, OPTIM, Box, Checkpoint
 
 from .state import _is_dtensor, tensor_view
 
-__all__ = ["TS_FILE", "as_shard", "is_lazy", "load_checkpoint", "load_torch_save", "read_for", "read_regions", "shard_box", "torch_save_files"]
+__all__ = [
+    "TS_FILE", "as_shard", "is_lazy", "load_checkpoint", "load_state", "load_torch_save", "read_for", "read_regions", "read_tensors", "shard_box",
+    "torch_save_files",
+]
 
 
 def load_checkpoint(path: Path, index: int = -1, *, lazy: bool = False) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
@@ -23,20 +26,52 @@ def load_checkpoint(path: Path, index: int = -1, *, lazy: bool = False) -> tuple
     read by the Rust executor straight into a new CPU tensor (one job for all).
     ``lazy``: no tensor is read (the dict is empty): a rank of a sharded run reads its
     own part when the live objects exist (:func:`read_for`)."""
-    from ravex_convert._engine import read_many
     from ravex_convert.formats.native import reader as native
 
     ckpt = native.read(path, index)
     native.verify_chunks(ckpt)
     if lazy:
         return ckpt, {}
+    return ckpt, read_tensors(ckpt)
+
+
+def read_tensors(ckpt: Checkpoint, prefix: str | None = None, *, verify: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint :func:`ravex_convert.formats.native.reader.read` opened, whole,
+    on the CPU (aliases share their target's tensor); with ``prefix`` only the names under it (and
+    the targets of aliases under it). ``verify``: their checksums are checked first."""
+    from ravex_convert._engine import read_many
+    from ravex_convert.formats.native import reader as native
+
+    aliases = {a: t for a, t in ckpt.aliases.items() if prefix is None or a.startswith(prefix)}
+    wanted = [n for n in ckpt.tensors if prefix is None or n.startswith(prefix) or n in aliases.values()]
+    if verify:
+        native.verify_chunks(ckpt, wanted)
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in ckpt.tensors.items():
+    for name in wanted:
+        t = ckpt.tensors[name]
         tensors[name] = torch.empty(tuple(t.shape), dtype=getattr(torch, t.dtype))
-    read_many([(t, tensor_view(tensors[name]), None) for name, t in ckpt.tensors.items() if t.numel])
-    for alias, target in ckpt.aliases.items():
+    read_many([(ckpt.tensors[name], tensor_view(tensors[name]), None) for name in wanted if ckpt.tensors[name].numel])
+    for alias, target in aliases.items():
         tensors[alias] = tensors[target]
-    return ckpt, tensors
+    return tensors
+
+
+def load_state(module: torch.nn.Module, sd: dict[str, torch.Tensor], where: str, *, prefix: str = "", strict: bool = True,
+               path: Any = None) -> None:
+    """Load ``sd`` into ``module``, every name and shape checked first: torch's ``load_state_dict``
+    copies what fits before it raises for what does not (:class:`LayoutMismatchError`, nothing loaded).
+    ``prefix``: what the checkpoint's names have before the module's (``model/``), for messages."""
+    live = {k: v for k, v in module.state_dict().items() if hasattr(v, "shape")}
+    hint = "load into the model the checkpoint was written from, or pass strict=False to skip names that differ"
+    for k in sorted(sd.keys() & live.keys()):
+        if tuple(sd[k].shape) != tuple(live[k].shape):
+            raise LayoutMismatchError(f"{where}: tensor '{prefix}{k}' is {list(sd[k].shape)} in the checkpoint, {list(live[k].shape)} in "
+                                      f"{type(module).__name__}; nothing was loaded", hint=hint, path=path)
+    missing, unexpected = sorted(live.keys() - sd.keys()), sorted(sd.keys() - live.keys())
+    if strict and (missing or unexpected):
+        raise LayoutMismatchError(f"{where}: {type(module).__name__} does not match the checkpoint: missing in the checkpoint {missing[:5]}, "
+                                  f"in the checkpoint but not in the model {unexpected[:5]}; nothing was loaded", hint=hint, path=path)
+    module.load_state_dict(sd, strict=strict)
 
 
 def is_lazy(ckpt: Checkpoint, tensors: dict[str, torch.Tensor]) -> bool:

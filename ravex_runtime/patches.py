@@ -10,6 +10,7 @@ It returns the function that puts the originals back.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -203,11 +204,23 @@ def apply(rt: Runtime) -> Callable[[], None]:
         setattr(cls, name, wrapper)
 
     hooked = frameworks.Hooks(rt, patch)
+    rt.session.recipes.recording = True  # modules are seen built: one without a recipe is worth a warning
 
-    def module_init(m: Any) -> None:
+    def module_seen(m: Any) -> None:
         # Only the outermost construction is a model; submodules are reached from it.
         rt.session.notice_module(m)
         hooked.check()  # a framework imported inside the decorated function, before its model is built
+
+    def module_init(m: Any, caller: Any) -> None:
+        rt.session.recipes.constructed(m, caller)  # its constructor's arguments, read from the frame that called super().__init__()
+        module_seen(m)
+
+    def init_seen(original: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            rt._safe(module_init, self, sys._getframe(1))
+            return out
+        return wrapper
 
     def loader_iter(original: Any) -> Any:
         def wrapper(self: Any) -> Any:
@@ -239,8 +252,10 @@ def apply(rt: Runtime) -> Callable[[], None]:
     for cls, name in patched_targets():
         if name == "__iter__":
             patch(cls, name, loader_iter)
+        elif cls is torch.nn.Module and name == "__init__":
+            patch(cls, name, init_seen)
         elif cls is torch.nn.Module:
-            patch(cls, name, after(rt, module_init))
+            patch(cls, name, after(rt, module_seen))
         elif cls is torch.optim.Optimizer:
             patch(cls, name, after(rt, rt.notice_optimizer))
         elif cls is DataLoader:

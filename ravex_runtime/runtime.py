@@ -145,10 +145,13 @@ class Runtime:
         st.framework_epochs, st.watched = self.framework_epochs, True
         return st
 
-    def track(self, obj: Any, name: str) -> None:
-        """``ravex.track``: a model, optimizer or DataLoader joins the ones noticed; anything else is saved by name."""
+    def track(self, obj: Any, name: str, *, named: bool = False) -> None:
+        """``ravex.track``: a model, optimizer or DataLoader joins the ones noticed; anything else is saved by name.
+        ``named``: the user gave ``name`` (a module's recipe goes by it: ``ravex.load_model(path, name=...)``)."""
         if isinstance(obj, torch.nn.Module):
             self.session.notice_module(obj)
+            if named:
+                self.session.recipes.name(obj, name)
         elif isinstance(obj, torch.optim.Optimizer):
             self.notice_optimizer(obj)
         elif isinstance(obj, torch.utils.data.DataLoader):
@@ -202,9 +205,11 @@ class Runtime:
             if self.counting and self.at_max_steps():
                 raise StopRun()
             return
-        self.boundary_seen = True
+        first, self.boundary_seen = not self.boundary_seen, True
         stepped, self.steps_since_boundary = self.steps_since_boundary > 0, 0
         live = self.session.tracked()
+        if first:
+            self.session.recipes.recipes(live)  # a model without a recipe is said at the start (once), not at the first checkpoint
         self.held = [*live.models, *live.optimizers, *live.schedulers, *live.scalers, *(ld for ld, _ in live.loaders if ld is not None)]
         if not self.restored:
             self.restore()

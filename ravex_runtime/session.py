@@ -8,6 +8,7 @@ them; a loop or a callback captures where it likes.
 :class:`Session` is a facade over modules with one job each:
 
 - tracking.py: the live objects, held by weak references, and the view of them a capture saves;
+- recipe.py: how to rebuild each tracked module (its class and constructor arguments, as data), saved with each capture;
 - state.py: the capture, copies made on the training thread;
 - ranks.py: joining the job's other ranks (over dist.py's group), and the capture on every rank;
 - writer.py: the background writer (a new checkpoint per commit, ``keep_last``);
@@ -30,6 +31,7 @@ import torch
 
 from ravex_convert.errors import RavexError
 from ravex_convert.model import Checkpoint
+from ravex_convert.recipes import KEY as RECIPES
 from ravex_convert.storage import as_path
 
 from ._passthrough import Counted
@@ -38,6 +40,7 @@ from .dist import Coord, initialized, topology
 from .foreign import ORIGIN_KEY
 from .lease import StoreLock
 from .ranks import RankCapture
+from .recipe import Recorder
 from .restoring import restore_into
 from .resume import Resume
 from .state import Snapshot, Tracked, capture
@@ -118,6 +121,8 @@ class Session:
         # registry's; track() checks its arguments and calls them too.
         self.notice_module, self.notice_optimizer, self.notice_scheduler = o.notice_module, o.notice_optimizer, o.notice_scheduler
         self.notice_scaler, self.notice_loader, self.notice_stateful = o.notice_scaler, o.notice_loader, o.notice_stateful
+        # How to rebuild the tracked modules (the decorator's patches tell it what they see built): in every checkpoint.
+        self.recipes = Recorder()
         # The checkpoint restore() will use (loaded ahead by prepare_restore()), the older ones to
         # fall back on, and the ones skipped: the resumed one is pinned, and a skipped one of this
         # store stops keep_last from pruning.
@@ -279,8 +284,11 @@ class Session:
         if self._resume.origin is not None:
             extra[ORIGIN_KEY] = dict(self._resume.origin)
         if ranks is None:
-            return capture(t, step, spare, extra)
-        return ranks.capture(t, step, spare, extra, ddp=self._objects.ddp, ddp_relayout=self._objects.ddp_relayout)
+            snap = capture(t, step, spare, extra)
+        else:
+            snap = ranks.capture(t, step, spare, extra, ddp=self._objects.ddp, ddp_relayout=self._objects.ddp_relayout)
+        snap.objects[RECIPES] = self.recipes.recipes(t)
+        return snap
 
     def commit(self, snapshot: Snapshot, wait: bool = False) -> None:
         """Hand ``snapshot`` to the background writer, which adds it to the store as a new checkpoint

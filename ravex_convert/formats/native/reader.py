@@ -23,6 +23,7 @@ from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexEr
 from ...info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ...model import Checkpoint, Chunk
 from ...objects import check as check_objects
+from ...recipes import KEY as RECIPES
 from ...storage import core_source
 from .check import FORMAT_VERSION, Checked, check_checkpoint, check_manifest, load_json, metadata_checksum
 
@@ -311,6 +312,8 @@ def describe(path: Path, reasons: list[str], index: int = -1) -> CheckpointInfo:
         groups = ckpt.objects.get("optim.param_groups")
         info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(states) else "unknown", states,
                                        len(groups) if isinstance(groups, list) else None)
+    if RECIPES in ckpt.objects:
+        info.extra[RECIPES] = ckpt.objects[RECIPES]  # how to rebuild the model (docs/format.md 13.1): inspect shows it
     if o.manifest is not None and o.entry is not None and o.variant == "store":
         info.extra["index"] = o.entry["index"]
         info.extra["checkpoints"] = [
