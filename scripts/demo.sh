@@ -11,9 +11,10 @@ ravex="$venv/bin/ravex"
 for ckpt in fixtures/data/*/checkpoint; do
   name=$(basename "$(dirname "$ckpt")")
   target=$ckpt
-  # single-file fixtures: inspect the file itself, as a user would
+  # single-file fixtures: inspect the file itself, as a user would; the frameworks' ones
+  # (a Lightning last.ckpt/, an Accelerate save_state state/): the directory inside
   files=("$ckpt"/*)
-  if [ ${#files[@]} -eq 1 ] && [ -f "${files[0]}" ]; then target=${files[0]}; fi
+  if [ ${#files[@]} -eq 1 ]; then target=${files[0]}; fi
   echo "=== $name: ravex inspect $target"
   "$ravex" inspect "$target"
   echo
