@@ -21,7 +21,9 @@ STABLE_KEYS = ("format", "variant", "world_size", "zero_stage", "step", "tag", "
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["zero3_ws3_bf16", "bf16opt_ws2", "fsdp2_ws2"])
+# FSDP2 only: integration/test_foreign_resume.py's test_a_checkpoint_deepspeed_writes_now has DeepSpeed write a
+# ZeRO-3 checkpoint now and resumes it (ZeRO-3 ws3 bf16 and BF16_Optimizer were dropped here for CI time, 37 s)
+@pytest.mark.parametrize("name", ["fsdp2_ws2"])
 def test_fresh_checkpoint_is_recognised_like_the_fixture(name: str, tmp_path: Path) -> None:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, str(REPO / "fixtures" / "generate.py"), "--out", str(tmp_path), name],

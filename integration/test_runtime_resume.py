@@ -268,7 +268,7 @@ def test_seeded_soak_killed_at_random_instants(tmp_path: Path) -> None:
     rng = random.Random(5)
     log = tmp_path / "log-kill.txt"
     resumed = kills = 0
-    for _ in range(8):
+    for _ in range(6):
         seen = len(log.read_text().splitlines()) if log.exists() else 0
         p = start(tmp_path, opts, "kill", env)
         deadline = time.time() + 60
@@ -282,7 +282,7 @@ def test_seeded_soak_killed_at_random_instants(tmp_path: Path) -> None:
     res = run(tmp_path, opts, "kill", env)
     assert res.returncode == 0, res.stderr
     assert res.stdout == ""
-    assert kills >= 5 and resumed >= 4, (kills, resumed)
+    assert kills >= 4 and resumed >= 3, (kills, resumed)
     ref_losses, ref_out = check_reference(tmp_path, finish(ref))
     assert losses(tmp_path, "kill") == ref_losses
     assert json.loads((tmp_path / "out-kill.json").read_text()) == ref_out

@@ -508,6 +508,12 @@ def status_cmd(path: str | None, as_json: bool) -> None:
         b = began["began_from"]
         step = f" (step {b['step']})" if b.get("step") is not None else ""
         _say(f"checkpoint {began['index']}: the run began from the {b.get('format')} checkpoint {b.get('path')}{step} (resume_from)")
+    init = next((c for c in reversed(st["checkpoints"]) if c.get("initialised_from")), None)
+    if init is not None:
+        b = init["initialised_from"]
+        step = f" (step {b['step']})" if b.get("step") is not None else ""
+        _say(f"checkpoint {init['index']}: the run's model began from the weights of the {b.get('format')} checkpoint {b.get('path')}{step} "
+             "(init_from)")
     resume = st["resume"]
     _say("resume would pick: " + (f"checkpoint {resume}" if resume is not None else "nothing (a run starts from the beginning)"))
     left = st.get("unfinished_uploads")

@@ -22,11 +22,13 @@ from .errors import CorruptCheckpointError
 from .model import TensorLink
 from .recipes import valid as _recipes
 
-__all__ = ["KEYS", "RESUMED_FROM", "Key", "check", "key_of"]
+__all__ = ["INITIALISED_FROM", "KEYS", "RESUMED_FROM", "Key", "check", "key_of"]
 
 # A key of ``extra`` in every checkpoint the runtime writes for a run that began from another
 # program's checkpoint (``resume_from``): ``{"format", "path", "step"}`` of that checkpoint.
 RESUMED_FROM = "ravex_resumed_from"
+# ... and for a run whose model began from another checkpoint's weights alone (``init_from``): the same fields.
+INITIALISED_FROM = "ravex_initialised_from"
 
 
 def _int(v: Any) -> bool:

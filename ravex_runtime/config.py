@@ -35,6 +35,7 @@ class Config:
     keep_last: int | None = 3
     max_steps: int | None = None
     resume_from: str | int | None = None
+    init_from: str | None = None  # a new run's model starts from this checkpoint's weights, nothing else of it
     fresh: bool = False
     log_file: Path | None = None
     sharded_checkpoints: str = "gather"
@@ -68,6 +69,7 @@ _KEYS: dict[str, str] = {
     "keep_last": "int+?",
     "max_steps": "int+?",
     "resume_from": "resume",
+    "init_from": "init",
     "fresh": "bool",
     "log_file": "path?",
     "sharded_checkpoints": "sharded_checkpoints",
@@ -181,6 +183,8 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
         if not isinstance(value, bool):
             raise bad("expected true or false")
         return value
+    if kind == "init" and not (value is None or (isinstance(value, str) and value)):
+        raise bad("expected the path of a checkpoint or a store (init_from takes no index: it names another run)")
     # resume: a checkpoint directory / store path, or a store index
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
@@ -248,6 +252,10 @@ def load_config(cwd: Path | None = None, environ: dict[str, str] | None = None) 
                               hint=f"known: {', '.join(sorted([*_ENV, *_ENV_OTHER]))}; unset it")
         _apply(cfg, {_ENV[var]: environ[var]}, f"environment variable {var}", cwd, env=True)
     _bucket_location(cfg)
+    if cfg.init_from is not None and cfg.resume_from is not None:
+        raise ConfigError(f"{cfg.source}: both resume_from and init_from are set (with the environment's RAVEX_*)",
+                          hint="resume_from continues a run (its optimizer, schedulers, step and data position); init_from starts a new one "
+                               "from a checkpoint's weights only: keep one")
     return cfg
 
 

@@ -40,7 +40,7 @@ from .loading import TS_FILE, as_shard, read_regions, shard_box
 from .sampler import _distributed_sampler, _sampler_of
 from .state import Tracked, _is_dtensor, is_fsdp1, tensor_view
 
-__all__ = ["ORIGIN_KEY", "Adapted", "Foreign", "adapt", "is_foreign", "open_foreign"]
+__all__ = ["ORIGIN_KEY", "Adapted", "Foreign", "adapt", "is_foreign", "open_foreign", "open_init"]
 
 log = logging.getLogger("ravex")
 
@@ -50,7 +50,7 @@ ORIGIN_KEY = RESUMED_FROM
 
 # Settings of torch.optim that choose an implementation, not the training: the live ones are kept.
 _IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
-_TITLES = {"zero": "DeepSpeed ZeRO", "dcp": "DCP", "torch_save": "torch.save", "safetensors": "safetensors"}
+_TITLES = {"zero": "DeepSpeed ZeRO", "dcp": "DCP", "torch_save": "torch.save", "safetensors": "safetensors", "native": "Ravex store"}
 
 
 @dataclass
@@ -95,6 +95,20 @@ def open_foreign(src: str, share: tuple[int, int] | None = None) -> Foreign:
         raise RavexError(f"resume_from {src}: a Ravex store's file, not the store", hint="point resume_from at the store directory", path=d.path)
     fmt = registry.get(d.format)
     return Foreign(d.path, d.format, fmt.read(d.path, **fmt.given(crc_share=share)))
+
+
+def open_init(src: str, share: tuple[int, int] | None = None) -> Foreign:
+    """``init_from``: a Ravex store (its newest complete checkpoint) or any checkpoint
+    :func:`open_foreign` takes, described, nothing loaded."""
+    p = Path(src)
+    if (p / "ravex-store.json").is_file():
+        from ravex_convert.formats.native import reader as native
+
+        return Foreign(p, "native", native.read(p))
+    if (p / "checkpoint.json").is_file():
+        raise RavexError(f"init_from {src}: one checkpoint directory of a Ravex store", hint=f"name the store ({p.parent.parent}): its newest "
+                         "complete checkpoint is used", path=p)
+    return open_foreign(src, share)
 
 
 def _mismatch(f: Foreign, what: str, hint: str) -> LayoutMismatchError:
@@ -235,10 +249,12 @@ class Adapted:
 # ---------------------------------------------------------------- adapt
 
 
-def adapt(f: Foreign, live: Tracked, rank: int) -> Adapted:
+def adapt(f: Foreign, live: Tracked, rank: int, *, weights_only: bool = False) -> Adapted:
     """``f`` in the runtime's form, fitted to ``live`` (this rank's part of each sharded tensor read,
     nothing else): what :func:`.restoring.plan` checks and puts in. Raises
-    :class:`LayoutMismatchError` for anything that does not fit, before anything is read."""
+    :class:`LayoutMismatchError` for anything that does not fit, before anything is read.
+    ``weights_only`` (``init_from``): the model's tensors alone; the optimizer, schedulers, step and
+    data position are the live run's, fresh."""
     ckpt = f.ckpt
     if not live.models:
         raise _mismatch(f, "no model is known at the first iteration boundary", "build the model before the training loop's first iteration")
@@ -259,7 +275,8 @@ def adapt(f: Foreign, live: Tracked, rank: int) -> Adapted:
     for k, v in live_sd.items():
         tensors[MODEL + k] = reads.like(ckpt.resolve(MODEL + names[k]), v, f"tensor '{k}'", into_live=True)
     objs: dict[str, Any] = {}
-    _optimizer(f, live, names, reads, tensors, objs)
+    if not weights_only:
+        _optimizer(f, live, names, reads, tensors, objs)
     if reads.cast and rank == 0:
         log.warning("ravex: %d tensors of %s are cast to this run's dtype (e.g. %s)", len(reads.cast), f.label, reads.cast[0])
     step = ckpt.step if isinstance(ckpt.step, int) and not isinstance(ckpt.step, bool) else None

@@ -24,11 +24,12 @@ import torch
 from ravex_convert.errors import RavexError
 from ravex_convert.formats.native import reader as native
 from ravex_convert.model import Checkpoint
+from ravex_convert.objects import INITIALISED_FROM
 
 from .checking import SAME_RUN, Plan, plan
 from .dist import Coord
 from .errors import ResumeError
-from .foreign import ORIGIN_KEY, Adapted, Foreign, adapt, is_foreign, open_foreign
+from .foreign import ORIGIN_KEY, Adapted, Foreign, adapt, is_foreign, open_foreign, open_init
 from .loading import is_lazy, load_checkpoint, load_torch_save, read_for, torch_save_files
 from .restoring import apply_plan, for_rank, restore_into
 from .state import Tracked
@@ -64,6 +65,11 @@ class Resume:
         self.foreign: Foreign | None = None
         # where the run came from, when it began from a foreign checkpoint (kept in every checkpoint it writes)
         self.origin: dict[str, Any] | None = None
+        # init_from: a new run's model starts from this checkpoint's weights (when the store holds none of its own);
+        # ``init`` says the pending foreign checkpoint is that start, ``init_origin`` where the run's weights began
+        self.init_from: str | None = None
+        self.init = False
+        self.init_origin: dict[str, Any] | None = None
         self.share: tuple[int, int] | None = None  # (rank, world size): the checksums this rank checks, of a foreign one
         # a rank of a job on many ranks: a native checkpoint's tensors are read when the live objects
         # exist, each rank its own rows of the sharded ones (loading.read_for), not whole at the start
@@ -79,7 +85,7 @@ class Resume:
             ckpt, tensors = self.pending
             try:
                 if self.foreign is not None:
-                    fitted = adapt(self.foreign, live, rank or 0)
+                    fitted = adapt(self.foreign, live, rank or 0, weights_only=self.init)
                     ckpt, tensors = fitted.ckpt, fitted.tensors
                     p = plan(live, ckpt, tensors, bool(ckpt.source.get("weights_only")), self.label)
                     fitted.fill()
@@ -158,7 +164,7 @@ class Resume:
             fitted: Adapted | None = None
             try:
                 if self.foreign is not None:
-                    fitted = adapt(self.foreign, live, coord.rank)
+                    fitted = adapt(self.foreign, live, coord.rank, weights_only=self.init)
                     mine, tensors = fitted.ckpt, fitted.tensors
                 else:
                     mine = for_rank(ckpt, coord.rank, coord.size)
@@ -212,7 +218,7 @@ class Resume:
         """The checkpoint named by ``src`` (an index of the store, a store, a checkpoint directory, a ``.pt``
         file: what ``resume_from`` names), or with None the newest complete one; None when the store has
         none. Damaged ones are skipped (newest first); the older ones are kept to fall back on."""
-        self._candidates, self.failures, self.foreign = iter(()), [], None
+        self._candidates, self.failures, self.foreign, self.init = iter(()), [], None, False
         source = self.source
         if isinstance(src, str) and is_foreign(src):
             return self._foreign_start(src)
@@ -239,11 +245,23 @@ class Resume:
             return self._only(index, f"checkpoint {index} (step {ckpt.step}) of {self.store}", (ckpt, tensors))
         if self.backend == "torch_save":
             self._candidates = self._torch_save_candidates()
-            return self._next(first=True)
+            return self._next(first=True) or self._init_start()
         if not (self.store / "ravex-store.json").is_file():
-            return None
+            return self._init_start()
         self._candidates = self._native_candidates(self.store)
-        return self._next(first=True)
+        return self._next(first=True) or self._init_start()
+
+    def _init_start(self) -> _Found | None:
+        """``init_from``, for a store that holds no checkpoint of its own (a restart resumes from
+        its own): the weights of that checkpoint, nothing else of it. None without init_from."""
+        if self.init_from is None or self.failures:  # a store whose checkpoints are all damaged never starts over
+            return None
+        f = open_init(self.init_from, self.share)
+        self.foreign, self.init = f, True
+        self.index, self.label = None, f"init_from {f.label}"
+        log.warning("ravex: the run starts from the weights of %s (init_from): its optimizer, schedulers, step and data position start "
+                    "fresh", f.label)
+        return f.ckpt, {}
 
     def _foreign_start(self, src: str) -> _Found | None:
         """``resume_from`` names another program's checkpoint: it is the start, unless the store
@@ -280,12 +298,17 @@ class Resume:
 
     def _restored(self, ckpt: Checkpoint) -> None:
         """Remember where the run began: the foreign checkpoint, or what the restored one says."""
+        if self.foreign is not None and self.init:
+            self.init_origin = self.foreign.origin()
+            return
         if self.foreign is not None:
             self.origin = self.foreign.origin()
             return
         extra = ckpt.objects.get("extra")
         origin = extra.get(ORIGIN_KEY) if isinstance(extra, dict) else None
         self.origin = origin if isinstance(origin, dict) else None
+        began = extra.get(INITIALISED_FROM) if isinstance(extra, dict) else None
+        self.init_origin = began if isinstance(began, dict) else None
 
     def _only(self, index: int | None, label: str, found: _Found) -> _Found:
         """A checkpoint the configuration (or the caller) names: nothing to fall back on."""

@@ -31,6 +31,7 @@ import torch
 
 from ravex_convert.errors import RavexError
 from ravex_convert.model import Checkpoint
+from ravex_convert.objects import INITIALISED_FROM
 from ravex_convert.recipes import KEY as RECIPES
 from ravex_convert.storage import as_path
 
@@ -127,6 +128,7 @@ class Session:
         # fall back on, and the ones skipped: the resumed one is pinned, and a skipped one of this
         # store stops keep_last from pruning.
         self._resume = Resume(self.path, cfg.backend, cfg.source)
+        self._resume.init_from = cfg.init_from if cfg.resume_from is None else None  # load_config refuses both
         # every rank reads a foreign checkpoint: each checks the checksums of its share of it
         self._resume.share = (self.rank, self.world_size) if self.world_size > 1 else None
         self._resume.lazy = self.world_size > 1  # each rank reads its own part of a sharded model's checkpoint
@@ -283,6 +285,8 @@ class Session:
         extra: dict[str, Any] = {"ravex_run_id": self.run_id}
         if self._resume.origin is not None:
             extra[ORIGIN_KEY] = dict(self._resume.origin)
+        if self._resume.init_origin is not None:
+            extra[INITIALISED_FROM] = dict(self._resume.init_origin)
         if ranks is None:
             snap = capture(t, step, spare, extra)
         else:

@@ -59,12 +59,13 @@ def _ranks(objs: dict[str, Any]) -> dict[str, Any] | None:
     return {k: d.get(k) for k in ("world_size", "mode", "mesh", "wrap", "written_by", "shared_storage")}
 
 
-def _began_from(objs: dict[str, Any]) -> dict[str, Any] | None:
-    """The other program's checkpoint the run began from (``resume_from``), as it records it."""
+def _began_from(objs: dict[str, Any], key: str | None = None) -> dict[str, Any] | None:
+    """The other program's checkpoint the run began from (``resume_from``), as it records it; with
+    ``key`` INITIALISED_FROM, the checkpoint whose weights the run's model began from (``init_from``)."""
     from ravex_convert.objects import RESUMED_FROM  # not the runtime's foreign module: `ravex status` imports no torch
 
     extra = objs.get("extra")
-    origin = extra.get(RESUMED_FROM) if isinstance(extra, dict) else None
+    origin = extra.get(key or RESUMED_FROM) if isinstance(extra, dict) else None
     return {k: origin.get(k) for k in ("format", "path", "step")} if isinstance(origin, dict) else None
 
 
@@ -72,10 +73,12 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
     """The store at ``path`` (default: ``storage.path`` of the configuration found from the working
     directory): ``store``, ``config`` (the file used, if any), ``checkpoints`` (index, step, bytes
     (logical), bytes_on_disk (files in its own directory), created_unix, complete, problem, run_id, ranks: who wrote it in a
-    run on many ranks, else None; began_from: the other program's checkpoint the run began from, else None) and
+    run on many ranks, else None; began_from: the other program's checkpoint the run began from, else None;
+    initialised_from: the checkpoint whose weights the run's model began from, else None) and
     ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint)."""
     from ravex_convert._paths import inside
     from ravex_convert.formats.native.reader import CHECKPOINT, MANIFEST, STORE_MARKER, read_manifest
+    from ravex_convert.objects import INITIALISED_FROM
     from ravex_convert.storage import is_remote, local_view, resolve
 
     store = local_view(path) if path is not None else _default_store()
@@ -98,7 +101,7 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
         objs = _objects(meta) if problem is None else {}
         rows.append({"index": e.get("index"), "step": e.get("step"), "bytes": e.get("bytes"), "bytes_on_disk": _dir_size(d),
                      "created_unix": e.get("created_unix"), "complete": problem is None, "problem": problem, "run_id": e.get("run_id"),
-                     "ranks": _ranks(objs), "began_from": _began_from(objs)})
+                     "ranks": _ranks(objs), "began_from": _began_from(objs), "initialised_from": _began_from(objs, INITIALISED_FROM)})
         if problem is None:
             resume = e.get("index")
     cfg = find_config_file()
