@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 from _lightning_model import Counter, Tiny, loader
 from conftest import DATA, inspect_json, run_ravex
 from safetensors.torch import load_file
+from test_lightning import assert_same_tree, quiet, same  # one definition of 'the same tree, bit for bit'
 
 import ravex_convert
 from ravex_convert import CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
@@ -51,32 +51,6 @@ def truth(stage: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 def lightning_fp32(stage: int) -> dict[str, Any]:
     loaded: dict[str, Any] = torch.load(fixture(stage) / "reference" / "lightning_fp32.ckpt", weights_only=True)
     return loaded
-
-
-def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    with warnings.catch_warnings():  # Lightning warns about CPU, workers, deprecations of its own
-        warnings.simplefilter("ignore")
-        return fn(*args, **kwargs)
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def assert_same_tree(want: Any, got: Any, where: str = "") -> int:
-    """The same nesting, keys, types and values at every level, tensors bit for bit; the number of tensors compared."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and same(want, got), where
-        return 1
-    assert type(got) is type(want), (where, type(want), type(got))
-    if isinstance(want, dict):
-        assert set(got) == set(want), (where, sorted(map(str, want)), sorted(map(str, got)))
-        return sum(assert_same_tree(v, got[k], f"{where}/{k}") for k, v in want.items())
-    if isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        return sum(assert_same_tree(v, g, f"{where}/{i}") for i, (v, g) in enumerate(zip(want, got)))
-    assert got == want, (where, want, got)
-    return 0
 
 
 @pytest.mark.parametrize("stage", STAGES)
