@@ -62,13 +62,12 @@ class Case:
 
 CASES = [
     Case("zero1_ws2_fp32", "fsdp2", 2),
-    Case("zero2_ws2_fp32", "fsdp2", 2),
+    # ZeRO-2 fp32 (cut for CI time): tests/test_runtime_foreign.py resumes it in one process against DeepSpeed's continuation
     Case("zero3_ws2_fp32", "fsdp2", 2),
     Case("zero3_ws2_fp32", "fsdp2", 3),
     Case("zero3_ws2_fp32", "ddp", 2),
     Case("zero3_ws2_fp32", "none", 1),
     Case("zero1_ws2_bf16", "fsdp2", 2, "bf16-mixed"),
-    Case("zero3_ws2_bf16", "fsdp2", 2, "bf16-mixed"),
     Case("zero3_ws2_bf16", "fsdp2", 3, "bf16-mixed"),
     Case("zero2_ws2_bf16", "none", 1, "bf16"),
     Case("fsdp2_ws2", "fsdp2", 3),  # DCP, as FSDP2 + dcp.save wrote it
