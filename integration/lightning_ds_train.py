@@ -27,6 +27,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from _lightning_ds import cpu_deepspeed  # the fixtures' CPU DeepSpeed strategy: one set-aside, one place
+from _workers import exit_after
 
 
 def snapshot(trainer: Any, module: Any, counter: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -55,13 +58,7 @@ def snapshot(trainer: Any, module: Any, counter: Any) -> tuple[dict[str, torch.T
 def resume(ckpt: str, stage: int, out: Path, steps: int) -> None:
     import lightning as L
     from _lightning_model import Counter, Tiny, loader
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
     from safetensors.torch import save_file
-
-    class CPUDeepSpeed(DeepSpeedStrategy):
-        def setup_environment(self) -> None:
-            # set aside: Lightning's "The DeepSpeed strategy is only supported on CUDA GPUs" check; the rest is Lightning's own
-            DDPStrategy.setup_environment(self)
 
     ws = int(os.environ["WORLD_SIZE"])
 
@@ -81,7 +78,7 @@ def resume(ckpt: str, stage: int, out: Path, steps: int) -> None:
 
     counter = Counter()
     L.seed_everything(1, verbose=False)  # not the fixture's seed: every restored value must come from the checkpoint
-    strategy = CPUDeepSpeed(stage=stage, process_group_backend="gloo", parallel_devices=[torch.device("cpu", i) for i in range(ws)])
+    strategy = cpu_deepspeed(stage, ws)  # the fixtures' set-aside of Lightning's CUDA-only check
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=ws, strategy=strategy, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, callbacks=[counter, Record()])
     trainer.fit(Tiny(groups=2), loader(), ckpt_path=ckpt)
@@ -94,15 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:  # noqa: BLE001 -- print, then exit without gloo's exit-time teardown
-        import traceback
-
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after(main)
