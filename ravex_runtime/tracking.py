@@ -58,8 +58,10 @@ class Registry:
     through); ``ddp_relayout``: one that lays its gradient buckets out again after its first step."""
 
     def __init__(self) -> None:
-        self._modules: list[weakref.ref[torch.nn.Module]] = []
-        self._module_set: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        # Modules by identity: a module's own __hash__/__eq__ may read attributes its __init__ has not
+        # set yet when Module.__init__ tells Ravex of it (torchmetrics' Metric does), so no set or dict
+        # of modules hashes one. id -> ref; an entry whose ref died is let go (the id may be reused).
+        self._modules: dict[int, weakref.ref[torch.nn.Module]] = {}
         self._roots_cache: tuple[tuple[int, int], list[weakref.ref[torch.nn.Module]]] | None = None
         self._optimizers: list[weakref.ref[Any]] = []
         self._schedulers: list[weakref.ref[Any]] = []
@@ -67,6 +69,8 @@ class Registry:
         self._loaders: list[tuple[weakref.ref[Any], LoaderState]] = []
         self._named: dict[str, Any] = {}
         self._held: list[Any] = []  # what track() was given: held strongly until release()
+        self._seen_modules = 0  # modules noticed so far (the roots' cache key)
+        self._live_modules = 0  # modules alive at the last sweep of dead entries
         self.ddp = False
         self.ddp_relayout = False
 
@@ -115,12 +119,16 @@ class Registry:
         self._held = []
 
     def notice_module(self, m: torch.nn.Module) -> None:
-        if m in self._module_set:
+        known = self._modules.get(id(m))
+        if known is not None and known() is m:
             return
-        self._module_set.add(m)
-        self._modules.append(weakref.ref(m))
-        if len(self._modules) > 2 * len(self._module_set) + 64:
-            self._modules = [r for r in self._modules if r() is not None]  # modules built and dropped inside the loop
+        self._modules.pop(id(m), None)  # a dead module's id, reused: this one goes last, in construction order
+        self._modules[id(m)] = weakref.ref(m)
+        self._seen_modules += 1
+        if len(self._modules) > self._live_modules * 2 + 64:
+            # modules built and dropped inside the loop
+            self._modules = {k: r for k, r in self._modules.items() if r() is not None}
+            self._live_modules = len(self._modules)
 
     def notice_optimizer(self, opt: Any) -> int | None:
         """Its position among the optimizers when it is new (0: the first), None when it was known."""
@@ -159,7 +167,7 @@ class Registry:
                        scalers=_alive(self._scalers), loaders=[(r(), st) for r, st in self._loaders], named=dict(self._named))
 
     def _roots(self) -> list[torch.nn.Module]:
-        key = (len(self._modules), len(self._optimizers))
+        key = (self._seen_modules, len(self._optimizers))
         if self._roots_cache is not None and self._roots_cache[0] == key and all(r() is not None for r in self._roots_cache[1]):
             return [m for r in self._roots_cache[1] if (m := r()) is not None]
         roots = self._find_roots()
@@ -167,7 +175,7 @@ class Registry:
         return roots
 
     def _find_roots(self) -> list[torch.nn.Module]:
-        mods = _alive(self._modules)
+        mods = _alive(list(self._modules.values()))
         children: set[int] = set()
         for m in mods:
             for c in m.modules():
