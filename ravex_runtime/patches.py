@@ -283,6 +283,7 @@ def apply(rt: Runtime) -> Callable[[], None]:
         patch(tdist.distributed_c10d, "destroy_process_group", destroy)
 
     def undo() -> None:
+        hooked.close()
         for cls, name, original in reversed(saved):
             setattr(cls, name, original)
 

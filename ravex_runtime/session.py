@@ -44,7 +44,7 @@ from .ranks import RankCapture
 from .recipe import Recorder
 from .restoring import restore_into
 from .resume import Resume
-from .state import Snapshot, Tracked, capture
+from .state import Snapshot, Tracked, capture, unflatten
 from .tracking import Registry
 from .writer import Job, Writer
 
@@ -371,8 +371,10 @@ class Session:
         be set before the objects :meth:`restore` fills exist (frameworks/)."""
         if self._resume.pending is None:
             return None
-        tracked = self._resume.pending[0].objects.get("tracked")
-        return tracked.get(name) if isinstance(tracked, dict) else None
+        ckpt, tensors = self._resume.pending
+        tracked = ckpt.objects.get("tracked")
+        value = tracked.get(name) if isinstance(tracked, dict) else None
+        return unflatten(value, tensors) if value is not None else None  # its tensors too (a callback's state may hold some)
 
     @property
     def resumed_index(self) -> int | None:

@@ -10,7 +10,8 @@ state was not put back trains its whole budget again. So:
   ``trainer_state.json`` (with its stateful callbacks), and the loss summed
   since the last log with the counters that divide it (so the first logged loss
   after a resume is the uninterrupted run's).
-- ``Trainer.train`` (patched): when the checkpoint Ravex resumes from holds that
+- ``Trainer.train`` (patched): a trainer built before the decorated call started
+  (or before ``transformers.trainer`` was imported) is noticed there. When the checkpoint Ravex resumes from holds that
   object, ``train`` is called with ``resume_from_checkpoint`` set to a directory
   holding only that ``trainer_state.json``, so the Trainer's own resume
   computes its epoch, its skip, ``state.epoch`` and its gradient-accumulation
@@ -133,8 +134,14 @@ def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
         if str(getattr(strategy, "value", strategy)) != "no":
             warn_own_checkpoints("the HF Trainer", 'set TrainingArguments(save_strategy="no"): Ravex already checkpoints this run')
 
+    def first_use(trainer: Any) -> None:
+        held = rt.session.tracked().named.get(NAME)
+        if not (isinstance(held, Progress) and held.trainer is trainer):
+            notice(trainer)
+
     def train(original: Any) -> Any:
         def wrapper(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+            rt._safe(first_use, self)
             saved = rt._safe(rt.session.saved_object, NAME) if rt.active else None
             if not (isinstance(saved, dict) and isinstance(saved.get("state"), str)):
                 return original(self, resume_from_checkpoint, *args, **kwargs)
