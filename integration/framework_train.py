@@ -14,8 +14,13 @@ Options (JSON):
 - ``workers``: the DataLoader's ``num_workers`` (with 2 the augmentation runs in the workers);
 - ``ga``: gradient accumulation steps (default 2); ``steps``: the optimizer steps to train (default 40);
 - with ``noise`` the HF Trainer also evaluates every 8 steps (``eval_strategy="steps"``) and Lightning
-  validates every 8 training batches (3 batches each, after its sanity check of ``sanity`` batches,
-  default 2); their datasets draw at random too, between two training steps;
+  validates every 8 training batches (at most 3 batches of a 10-item set, its last batch partial,
+  after its sanity check of ``sanity`` batches, default 2: Lightning's default); their datasets draw
+  at random too, between two training steps. The LightningModule holds a torchmetrics metric and
+  logs with ``self.log`` (``sync_dist=True`` in validation), as users' modules do;
+- ``lazy``: only the framework's top-level package is imported before the decorated call (the
+  default imports ``transformers.trainer`` as well); the HF script touches ``transformers.Trainer``
+  first after its model is built, so transformers loads its trainer module then;
 - ``fw_ckpt``: the framework's own checkpointing on as well (HF: ``save_strategy="steps"``,
   ``save_steps=10``; Lightning: ``enable_checkpointing=True``, a ``ModelCheckpoint`` every epoch;
   Accelerate: ``accelerator.save_state`` every 5 steps); ``fw_every``: that checkpoint every so many
@@ -71,7 +76,7 @@ KILL_AT = int(os.environ.get("KILL_AT_STEP", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK_SUFFIX = f"-r{os.environ.get('RANK', '0')}" if WORLD > 1 else ""  # the files' names: one process's carry none
 RAVEX_ON = os.environ.get("RAVEX_ENABLED", "1").strip().lower() not in ("0", "false", "no", "off")  # as ravex_runtime.config reads it
-ITEMS, BATCH, VOCAB, SEQ, FEATURES = 60, 4, 64, 8, 8
+ITEMS, BATCH, VOCAB, SEQ, FEATURES, VAL_ITEMS = 60, 4, 64, 8, 8, 10
 # imported before the decorated call, as a script imports them at its top
 IMPORTS = {"hf": ("transformers", "transformers.trainer"), "lightning": ("lightning", "lightning.pytorch"),
            "accelerate": ("accelerate", "accelerate.data_loader")}
@@ -97,11 +102,11 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 class Samples(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """For the MLP: (x, y) fixed by i; with noise, x + 0.05 * randn from torch's global generator."""
 
-    def __init__(self, noise: bool):
-        self.noise = noise
+    def __init__(self, noise: bool, items: int = ITEMS):
+        self.noise, self.items = noise, items
 
     def __len__(self) -> int:
-        return ITEMS
+        return self.items
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1000 + i)
@@ -149,33 +154,36 @@ def digest(model: torch.nn.Module) -> str:
 
 
 def train_hf(opts: dict[str, Any], out: Path, log: Log, final: dict[str, Any]) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
+    import transformers
 
+    set_seed = transformers.set_seed
+    set_seed(0)
+    p = 0.1 if opts["noise"] else 0.0
+    # The model first, then the Trainer: with ``lazy`` nothing has imported transformers.trainer yet,
+    # and transformers loads it at the first touch of transformers.Trainer, below (as a user's script does).
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
+                                                                 eos_token_id=0, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p))
     micro: list[str] = []
 
-    class Recording(Trainer):
+    class Recording(transformers.Trainer):  # type: ignore[misc]
         def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
             loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
             micro.append(hexf(loss))  # as the Trainer returns it: normalised for the accumulation
             return loss
 
-    class StepLog(TrainerCallback):
+    class StepLog(transformers.TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
             losses = micro[:]
             micro.clear()
             log.step(state.global_step, losses, optimizer.param_groups[0]["lr"], repr(state.epoch))
 
-    set_seed(0)
-    p = 0.1 if opts["noise"] else 0.0
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0,
-                                       resid_pdrop=p, embd_pdrop=p, attn_pdrop=p))
     save: dict[str, Any] = {"save_strategy": "steps", "save_steps": opts["fw_every"] or 10} if opts["fw_ckpt"] else {"save_strategy": "no"}
     if opts["noise"]:  # an evaluation every 8 steps: its loader's random draws happen between two training steps
         save.update(eval_strategy="steps", eval_steps=8)
-    args = TrainingArguments(output_dir=str(out / f"hf-{opts['tag']}"), report_to=[], logging_steps=1, max_steps=opts["steps"],
-                             gradient_accumulation_steps=opts["ga"], per_device_train_batch_size=BATCH, dataloader_num_workers=opts["workers"],
-                             use_cpu=True, disable_tqdm=True, seed=0, learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=2,
-                             train_sampling_strategy="random" if opts["noise"] else "sequential", **save)
+    args = transformers.TrainingArguments(
+        output_dir=str(out / f"hf-{opts['tag']}"), report_to=[], logging_steps=1, max_steps=opts["steps"], gradient_accumulation_steps=opts["ga"],
+        per_device_train_batch_size=BATCH, dataloader_num_workers=opts["workers"], use_cpu=True, disable_tqdm=True, seed=0, learning_rate=1e-3,
+        lr_scheduler_type="linear", warmup_steps=2, train_sampling_strategy="random" if opts["noise"] else "sequential", **save)
     trainer = Recording(model=model, args=args, train_dataset=Tokens(opts["noise"]), callbacks=[StepLog()],
                         eval_dataset=Tokens(opts["noise"]) if opts["noise"] else None)
     final.update(model=model, trainer=trainer)
@@ -184,11 +192,13 @@ def train_hf(opts: dict[str, Any], out: Path, log: Log, final: dict[str, Any]) -
 
 def train_lightning(opts: dict[str, Any], out: Path, log: Log, final: dict[str, Any]) -> None:
     import lightning as L
+    import torchmetrics
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = mlp(opts["noise"])
+            self.val_mae = torchmetrics.MeanAbsoluteError()  # a metric module, built inside the decorated call
             self.micro: list[str] = []
             self.seen: int | None = None  # global_step at the last batch's end (None: no batch yet in this process)
 
@@ -196,6 +206,7 @@ def train_lightning(opts: dict[str, Any], out: Path, log: Log, final: dict[str, 
             x, y = batch
             loss = torch.nn.functional.mse_loss(self.net(x), y)
             self.micro.append(hexf(loss))
+            self.log("train_loss", loss)  # Lightning builds a metric (_ResultMetric) for each logged name
             return loss
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -212,7 +223,10 @@ def train_lightning(opts: dict[str, Any], out: Path, log: Log, final: dict[str, 
 
         def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
             x, y = batch
-            self.val_loss = torch.nn.functional.mse_loss(self.net(x), y)
+            pred = self.net(x)
+            self.log("val_loss", torch.nn.functional.mse_loss(pred, y), sync_dist=True)  # a collective over the ranks
+            self.val_mae(pred, y)
+            self.log("val_mae", self.val_mae)
 
         def configure_optimizers(self) -> Any:
             opt = torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -237,8 +251,9 @@ def train_lightning(opts: dict[str, Any], out: Path, log: Log, final: dict[str, 
     L.seed_everything(0)
     module = Module()
     loader = torch.utils.data.DataLoader(Samples(opts["noise"]), batch_size=BATCH, shuffle=opts["noise"], num_workers=opts["workers"])
-    # with noise, a validation every 8 training batches (and Lightning's sanity check before training)
-    val = torch.utils.data.DataLoader(Samples(True), batch_size=BATCH) if opts["noise"] else None
+    # with noise, a validation every 8 training batches (and Lightning's sanity check before training), of
+    # 10 items: its last batch is partial (at 2 ranks, 5 items each: batches of 4 and 1)
+    val = torch.utils.data.DataLoader(Samples(True, VAL_ITEMS), batch_size=BATCH) if opts["noise"] else None
     counter = Counter()
     final["counter"] = counter
     callbacks: list[Any] = [counter]
@@ -287,10 +302,11 @@ def train_accelerate(opts: dict[str, Any], out: Path, log: Log, final: dict[str,
 
 
 def main() -> None:
-    opts: dict[str, Any] = {"noise": False, "workers": 0, "ga": 2, "steps": 40, "fw_ckpt": False, "fw_every": None, "sanity": 2, **json.loads(sys.argv[1])}
+    opts: dict[str, Any] = {"noise": False, "workers": 0, "ga": 2, "steps": 40, "fw_ckpt": False, "fw_every": None, "sanity": 2, "lazy": False,
+                            **json.loads(sys.argv[1])}
     out = Path(sys.argv[2])
     framework, tag = opts["framework"], opts["tag"]
-    for name in IMPORTS[framework]:
+    for name in IMPORTS[framework][:1] if opts["lazy"] else IMPORTS[framework]:
         importlib.import_module(name)
     torch.set_num_threads(1)
     log = Log(out / f"log-{tag}{RANK_SUFFIX}.jsonl")

@@ -10,7 +10,8 @@ micro-batches each. The kill after step 33 leaves the checkpoint at step 30 newe
 an epoch (the checkpoint at step 20 would be an epoch's end).
 
 (a) Per framework, at 2 ranks, randomness on (dropout, shuffled data, a random ``__getitem__``;
-    Accelerate's with 2 DataLoader workers: their replay under DDP): a reference with
+    Accelerate's with 2 DataLoader workers: their replay under DDP; Lightning with its sanity check,
+    ``self.log`` and a metric): a reference with
     ``RAVEX_ENABLED=0`` (its ranks forked by tests/_launch.py, alongside the run to kill), the run
     killed after step 33 (every rank SIGKILLs itself; torchrun tears down what is left), then the
     same command again: exit 0, every rank trains steps 31..40 only, each line (micro-batch losses,
@@ -44,8 +45,9 @@ NPROC = 2
 TIMEOUT = 240.0  # one job, start to end (about 10 s here)
 CASES: dict[str, dict[str, Any]] = {
     "hf": {"framework": "hf", "noise": True, "workers": 0},
-    # Lightning's sanity check off: under DDP with it Ravex changes the run (docs/notes/2026-12-06-lightning-ddp-sanity.md)
-    "lightning": {"framework": "lightning", "noise": True, "workers": 0, "sanity": 0},
+    # Lightning with its defaults: the sanity check on, a validation loader whose last batch is partial,
+    # self.log (sync_dist=True in validation) and a torchmetrics metric in the module
+    "lightning": {"framework": "lightning", "noise": True, "workers": 0},
     "accelerate": {"framework": "accelerate", "noise": True, "workers": 2},
 }
 

@@ -325,17 +325,36 @@ def _check_rng(state: Any, where: str) -> None:
             _check_torch_state(t, where, f"the CUDA RNG state of device {i}", device=f"cuda:{i}")
 
 
+def _match_loaders(live: Tracked, saved_l: list[Any]) -> list[tuple[int, int]]:
+    """(live position, saved position) of each live DataLoader that has a saved one: in order, the
+    first saved one of the same identity not taken yet (sampler.identity); a saved one without an
+    identity (an older checkpoint), or a live one none matches, by the same position."""
+    taken: set[int] = set()
+    pairs: list[tuple[int, int]] = []
+    for i, (ld, st) in enumerate(live.loaders):
+        if ld is None:
+            continue
+        j = next((j for j, s in enumerate(saved_l) if j not in taken and isinstance(s, dict) and s.get("identity") == st.identity), None)
+        if j is None and i < len(saved_l) and i not in taken and saved_l[i] is not None and "identity" not in saved_l[i]:
+            j = i
+        if j is not None:
+            taken.add(j)
+            pairs.append((i, j))
+    return pairs
+
+
 def _plan_loaders(live: Tracked, objs: dict[str, Any], where: str) -> list[tuple[Any, LoaderState, dict[str, Any]]]:
     saved_l = objs.get("loaders") or []
     if not isinstance(saved_l, list):
         raise _corrupt(where, "'loaders' is not a list")
     out: list[tuple[Any, LoaderState, dict[str, Any]]] = []
-    for i, (ld, st) in enumerate(live.loaders):
-        if ld is None or i >= len(saved_l) or saved_l[i] is None:
-            continue
-        saved = saved_l[i]
-        if not isinstance(saved, dict) or not all(isinstance(saved.get(k, 0), int) for k in ("epoch", "consumed")):
-            raise _corrupt(where, f"the position of DataLoader #{i} is malformed")
+    for j, saved in enumerate(saved_l):
+        if saved is not None and not (isinstance(saved, dict) and all(isinstance(saved.get(k, 0), int) for k in ("epoch", "consumed"))
+                                      and isinstance(saved.get("identity", ""), str)):
+            raise _corrupt(where, f"the position of DataLoader #{j} is malformed")
+    for i, j in _match_loaders(live, saved_l):
+        ld, st = live.loaders[i]
+        saved = saved_l[j]
         gens = generators_of(ld)
         persistent: dict[str, Any] = saved["persistent"] if isinstance(saved.get("persistent"), dict) else {}
         for group, states in (("epoch_start", saved.get("epoch_start")), ("generators", saved.get("generators")),

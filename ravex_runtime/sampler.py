@@ -273,11 +273,28 @@ def unstamped(loader: Any, it: Any) -> Any:
     return _Unstamp(it, {}) if getattr(loader, "_ravex_stamps", False) else it
 
 
+def identity(loader: Any) -> str:
+    """What tells a DataLoader from the others of a run, the same in the run that resumes it: its
+    dataset's class and length, batch size, sampler class and ``drop_last``. A resumed run may
+    build its loaders in another order (Lightning under DDP builds its own validation loader for
+    the sanity check, which a restored fit loop skips): a saved position goes to the loader of the
+    same identity, not to the one built at the same place in the order."""
+    ds = getattr(loader, "dataset", None)
+    try:
+        n: int | None = len(ds)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a dataset without a length (an IterableDataset), or one whose __len__ fails
+        n = None
+    sampler = _sampler_of(loader)
+    return (f"{type(ds).__module__}.{type(ds).__qualname__}|{n}|{getattr(loader, 'batch_size', None)}|"
+            f"{type(sampler).__module__}.{type(sampler).__qualname__}|{getattr(loader, 'drop_last', None)}")
+
+
 class LoaderState:
     """One DataLoader's position, kept by the runtime."""
 
     def __init__(self, loader: Any, index: int):
         self.index = index
+        self.identity = identity(loader)  # made before any sampler of Ravex's can wrap the loader's
         self.epoch = -1
         self.consumed = 0
         self.epoch_start: dict[str, torch.Tensor] = {}
@@ -333,7 +350,8 @@ class LoaderState:
 
     def capture(self, snap: SnapshotLike, loader: Any, key: str | None = None) -> dict[str, Any]:
         key = key or f"loaders/{self.index}"
-        out: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed, "length": self.length(loader), "replayable": self.replayable,
+        out: dict[str, Any] = {"identity": self.identity, "epoch": self.epoch, "consumed": self.consumed, "length": self.length(loader),
+                               "replayable": self.replayable,
                                **({"trains": self.trains} if self.watched else {}),
                                "epoch_start": {k: snap.add(f"obj/{key}/epoch_start/{k}", v) for k, v in self.epoch_start.items()},
                                "generators": {k: snap.add(f"obj/{key}/generators/{k}", g.get_state()) for k, g in generators_of(loader).items()}}
