@@ -8,6 +8,11 @@ one, and the one-line form ``ravex inspect`` shows.
 A recipe names code (``call``, and the classes inside some arguments); nothing here imports
 it. :func:`code_paths` lists every name a recipe would import, for the trust check that comes
 before any import.
+
+An argument whose name says it is a secret (:func:`secret_name`: ``token``, ``api_key``,
+``password``, ``secret``, ``credentials``, ``*_key``, ...) is never recorded: the entry lists
+its name under ``omitted``. A recipe is shown with the value of any such name hidden, whoever
+wrote it.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from typing import Any
 from .errors import CorruptCheckpointError, RavexError
 
 __all__ = [
-    "FORMAT_VERSION", "KEY", "KINDS", "TAG", "check_entry", "check_version", "code_paths", "show", "show_value", "shown", "valid", "valid_path",
-    "weights_ok",
+    "FORMAT_VERSION", "HIDDEN", "KEY", "KINDS", "TAG", "check_entry", "check_version", "code_paths", "secret_name", "show", "show_value", "shown",
+    "valid", "valid_path", "weights_ok",
 ]
 
 KEY = "recipes"  # objects[KEY]
@@ -32,6 +37,18 @@ _PART = r"[A-Za-z_][A-Za-z0-9_]*"
 _PATH = re.compile(rf"{_PART}(\.{_PART})+")
 _SHOWN_ITEMS = 8  # of a config's fields, in the one-line form
 _SIZING = re.compile(r"^(n_|num_)|layer|head|embd|hidden|intermediate|vocab|position")
+# Names that say a secret: a whole word of the name (token, use_auth_token, hf_token, db_password,
+# client_secret, credentials) or a key (api_key, secret_key, aws_access_key): never recorded, never shown.
+_SECRET = re.compile(r"(^|_)(token|auth|password|passwd|passphrase|secret|credentials?)(_|$)|(^|_)(api)?key$|^apikey$", re.IGNORECASE)
+HIDDEN = "<hidden>"  # how a secret argument's value is shown
+
+
+_TOKENIZER = re.compile(r"(^|_)(pad|bos|eos|unk|sep|cls|mask)_token$")  # a tokenizer's special tokens: text, not secrets
+
+
+def secret_name(name: Any) -> bool:
+    """An argument (or a dict key) whose name says it holds a secret."""
+    return isinstance(name, str) and _SECRET.search(name) is not None and _TOKENIZER.search(name) is None
 
 
 def valid(v: Any) -> bool:
@@ -73,6 +90,9 @@ def check_entry(name: str, entry: Any, where: str) -> None:
     kwargs = entry.get("kwargs")
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() and not k.startswith("__") for k in kwargs):
         raise _bad(at, "'kwargs' is not an object keyed by argument names")
+    omitted = entry.get("omitted", [])
+    if not isinstance(omitted, list) or not all(isinstance(k, str) for k in omitted):
+        raise _bad(at, "'omitted' is not a list of argument names")
     for path in code_paths(kwargs):
         if not valid_path(path):
             raise _bad(at, f"an argument names {path!r}, not a dotted path of identifiers")
@@ -107,13 +127,13 @@ def show_value(v: Any) -> str:
             fields = v["value"]
             cls = str(v.get("class", "?")).rpartition(".")[2]
             # the fields that size the model first (a config has dozens): model type, layers, heads, widths, vocabulary
-            keys = [k for k in fields if k == "model_type" or _SIZING.search(k)][:_SHOWN_ITEMS]
+            keys = [k for k in fields if (k == "model_type" or _SIZING.search(k)) and not secret_name(k)][:_SHOWN_ITEMS]
             shown = [f"{k}={show_value(fields[k])}" for k in keys]
             more = len(fields) - len(shown)
             return f"{cls}({', '.join(shown)}{', ...' if more > 0 else ''})"
         return f"<{tag}>"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{k!r}: {show_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{k!r}: {HIDDEN if secret_name(k) else show_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, list):
         return "[" + ", ".join(show_value(x) for x in v) + "]"
     return repr(v)
@@ -126,7 +146,11 @@ def show(entry: Any) -> str:
     if "unavailable" in entry:
         return f"none: {entry['unavailable']}"
     kwargs = entry["kwargs"] if isinstance(entry.get("kwargs"), dict) else {}
-    return f"{entry.get('call')}({', '.join(f'{k}={show_value(v)}' for k, v in kwargs.items())})"
+    args = [f"{k}={HIDDEN if secret_name(k) else show_value(v)}" for k, v in kwargs.items()]
+    omitted = entry.get("omitted")
+    if isinstance(omitted, list) and omitted:
+        args.append(f"<not recorded: {', '.join(map(str, omitted))}>")
+    return f"{entry.get('call')}({', '.join(args)})"
 
 
 def shown(recipes: Any) -> list[tuple[str, str]]:

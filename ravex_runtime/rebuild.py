@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
 import types
 from collections.abc import Iterable
@@ -36,9 +37,11 @@ from ravex_convert.model import Checkpoint
 from ravex_convert.recipes import KEY, check_entry, check_version, code_paths
 
 from .errors import RecipeError, UntrustedRecipeError
-from .recipe import Decoding, NotData, callable_problem, decode
+from .recipe import Decoding, NotData, callable_problem, decode, without_code_fields
 
 __all__ = ["build", "load_model", "trusted_packages"]
+
+log = logging.getLogger("ravex")
 
 _NO_RECIPE_HINT = "build the model yourself and load its weights with ravex.load_weights(model, path)"
 
@@ -111,13 +114,22 @@ def build(recipes: Any, name: str, where: str, *, trust: Iterable[str] | str = (
         raise RecipeError(f"{what}: {why}; it was not called",
                           hint="a recipe names a torch.nn.Module subclass, or a function annotated to return one (docs/security.md)")
     ctx = Decoding(load=lambda p: _load(p, trusted, what), map_location=map_location)
+    recorded = entry["kwargs"]
+    if _top(call) == "transformers":  # a model class of transformers called with keyword arguments of its own
+        recorded, dropped = without_code_fields(recorded)
+        if dropped:
+            log.warning("ravex: %s: left out %s: a recipe is data, and these make transformers fetch or import code", what, ", ".join(dropped))
     try:
-        kwargs = {k: decode(v, ctx, k) for k, v in entry["kwargs"].items()}
+        kwargs = {k: decode(v, ctx, k) for k, v in recorded.items()}
     except NotData as exc:
         raise RecipeError(f"{what}: {exc}", hint=_NO_RECIPE_HINT) from None
+    omitted = entry.get("omitted") or []
     try:
         inspect.signature(target).bind(**kwargs)
     except TypeError as exc:
+        if omitted:
+            raise RecipeError(f"{what}: {call}{_signature(target)} cannot be called without {', '.join(omitted)}, which the recipe "
+                              f"left out (a secret is never recorded): {exc}", hint=_NO_RECIPE_HINT) from None
         raise RecipeError(f"{what}: the recorded arguments ({', '.join(kwargs)}) do not fit {call}{_signature(target)}: {exc}",
                           hint=f"{call} changed since the checkpoint was written: install the version the run was trained with, or "
                                + _NO_RECIPE_HINT) from None

@@ -51,11 +51,12 @@ from typing import Any, cast
 
 import torch
 
-from ravex_convert.recipes import FORMAT_VERSION, TAG, valid_path
+from ravex_convert.recipes import FORMAT_VERSION, TAG, secret_name, valid_path
 
 from .state import Tracked
 
-__all__ = ["ArgType", "Built", "Decoding", "Recorder", "arg_types", "callable_problem", "encode", "register", "unregister"]
+__all__ = ["ArgType", "Built", "Decoding", "Recorder", "arg_types", "callable_problem", "encode", "encode_kwargs", "register", "unregister",
+           "without_code_fields"]
 
 log = logging.getLogger("ravex")
 
@@ -143,12 +144,50 @@ def _encode_hf_config(v: Any, enc: Callable[[Any], Any]) -> dict[str, Any]:
     return {"class": _path_of(type(v)), "value": enc(json.loads(v.to_json_string(use_diff=False)))}
 
 
+# Fields of a Hugging Face config that make transformers fetch or import code when a model is
+# built from it: a kernel from the Hub (an attention implementation naming a repository, or a
+# flash-attention one that falls back to a Hub kernel when flash_attn is missing), remote code.
+_CODE_FIELDS = ("use_kernels", "kernel_config", "trust_remote_code", "auto_map", "custom_pipelines")
+_ATTN_FIELDS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+_BUILTIN_ATTN = (None, "eager", "sdpa", "flex_attention", "paged|eager")
+
+
+def without_code_fields(value: Any, where: str = "") -> tuple[Any, list[str]]:
+    """A copy of a recorded config (or keyword arguments) without the fields that make
+    transformers fetch or import code, at any depth (sub-configs), and the paths of those dropped."""
+    if isinstance(value, list):
+        out_list, dropped = [], []
+        for i, x in enumerate(value):
+            v, d = without_code_fields(x, f"{where}[{i}]")
+            out_list.append(v)
+            dropped += d
+        return out_list, dropped
+    if not isinstance(value, dict):
+        return value, []
+    out: dict[str, Any] = {}
+    dropped = []
+    for k, x in value.items():
+        path = f"{where}.{k}" if where else str(k)
+        if k in _CODE_FIELDS or (k in _ATTN_FIELDS and not (x in _BUILTIN_ATTN if not isinstance(x, dict) else
+                                                             all(v in _BUILTIN_ATTN for v in x.values()))):
+            dropped.append(f"{path}={x!r}")
+            continue
+        out[k], d = without_code_fields(x, path)
+        dropped += d
+    return out, dropped
+
+
 def _decode_hf_config(fields: dict[str, Any], ctx: Decoding) -> Any:
     cls = ctx.load(fields["class"])
     if not (isinstance(cls, type) and any(c.__module__ == "transformers.configuration_utils" and c.__name__ in ("PreTrainedConfig", "PretrainedConfig")
                                           for c in cls.__mro__)):
         raise NotData(f"{fields['class']} is not a Hugging Face config class")
-    return cast(Any, cls).from_dict(fields["value"])
+    value, dropped = without_code_fields(fields["value"])
+    if dropped:
+        log.warning("ravex: the recorded %s leaves out %s: a recipe is data, and these make transformers fetch or import code "
+                    "(a kernel from the Hub, remote code); the model is built with transformers' defaults for them",
+                    str(fields["class"]).rpartition(".")[2], ", ".join(dropped))
+    return cast(Any, cls).from_dict(value)
 
 
 def _decode_dtype(fields: dict[str, Any], ctx: Decoding) -> Any:
@@ -187,19 +226,40 @@ def _what(v: Any) -> str:
     return f"a {type(v).__module__}.{type(v).__qualname__}" if type(v).__module__ != "builtins" else f"a {type(v).__name__}"
 
 
-def encode(value: Any, where: str) -> Any:
+def encode(value: Any, where: str, omitted: list[str] | None = None) -> Any:
     """``value`` as recipe data: a new JSON structure (nothing shared with ``value``), typed
-    arguments tagged. :class:`NotData` naming ``where`` for what is not data."""
+    arguments tagged. :class:`NotData` naming ``where`` for what is not data. A dict's entry
+    whose key says it is a secret is left out, its path added to ``omitted``."""
     if value is None or type(value) in (bool, int, float, str):
         return value
     if type(value) is list:
-        return [encode(x, f"{where}[{i}]") for i, x in enumerate(value)]
+        return [encode(x, f"{where}[{i}]", omitted) for i, x in enumerate(value)]
     if type(value) is dict and all(isinstance(k, str) for k in value) and TAG not in value:
-        return {k: encode(x, f"{where}[{k!r}]") for k, x in value.items()}
+        out = {}
+        for k, x in value.items():
+            if secret_name(k):
+                if omitted is not None:
+                    omitted.append(f"{where}[{k!r}]")
+                continue
+            out[k] = encode(x, f"{where}[{k!r}]", omitted)
+        return out
     for t in _TYPES.values():
         if t.match(value):
-            return {TAG: t.tag, **t.encode(value, lambda x: encode(x, where))}
+            return {TAG: t.tag, **t.encode(value, lambda x: encode(x, where, omitted))}
     raise NotData(f"argument {where!r} is {_what(value)}, not data")
+
+
+def encode_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Keyword arguments as recipe data, and the names of those left out because they say they are
+    secrets (an argument, or a key inside one): a secret is never written into a checkpoint."""
+    omitted: list[str] = []
+    out: dict[str, Any] = {}
+    for k, v in kwargs.items():
+        if secret_name(k):
+            omitted.append(k)
+        else:
+            out[k] = encode(v, k, omitted)
+    return out, omitted
 
 
 def decode(value: Any, ctx: Decoding, where: str) -> Any:
@@ -259,9 +319,13 @@ class Built:
     kind: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     source: str = "constructor"
+    omitted: tuple[str, ...] = ()  # arguments left out because their names say secret
 
     def entry(self, weights: str) -> dict[str, Any]:
-        return {"weights": weights, "call": self.call, "kind": self.kind, "kwargs": self.kwargs, "from": self.source}
+        out = {"weights": weights, "call": self.call, "kind": self.kind, "kwargs": self.kwargs, "from": self.source}
+        if self.omitted:
+            out["omitted"] = list(self.omitted)
+        return out
 
 
 def _declared(m: torch.nn.Module) -> Built | str:
@@ -296,7 +360,8 @@ def _declared(m: torch.nn.Module) -> Built | str:
             return f"{name}.ravex_recipe(): {why}"
         kind = "class" if isinstance(target, type) else "factory"
     try:
-        return Built(factory, kind, {k: encode(v, k) for k, v in kwargs.items()}, "ravex_recipe")
+        data, omitted = encode_kwargs(kwargs)
+        return Built(factory, kind, data, "ravex_recipe", tuple(omitted))
     except NotData as exc:
         return f"{name}.ravex_recipe(): {exc}"
 
@@ -370,6 +435,7 @@ class Recorder:
             return f"the arguments of {cls.__qualname__}() were not seen (its __init__ is wrapped by a decorator)"
         local = outer.f_locals
         kwargs: dict[str, Any] = {}
+        omitted: list[str] = []
         try:
             for pname, kind in params:
                 if kind is inspect.Parameter.POSITIONAL_ONLY:
@@ -381,13 +447,16 @@ class Recorder:
                     if v:
                         return f"{cls.__qualname__}() was given positional arguments through *{pname}, which have no names"
                 elif kind is inspect.Parameter.VAR_KEYWORD:
-                    for k, x in dict(v).items():
-                        kwargs[k] = encode(x, k)
+                    data, left = encode_kwargs(dict(v))
+                    kwargs.update(data)
+                    omitted.extend(left)
                 else:
-                    kwargs[pname] = encode(v, pname)
+                    data, left = encode_kwargs({pname: v})
+                    kwargs.update(data)
+                    omitted.extend(left)
         except NotData as exc:
             return f"{cls.__qualname__}(): {exc}"
-        return Built(path, "class", kwargs)
+        return Built(path, "class", kwargs, omitted=tuple(omitted))
 
     def _recipe_of(self, m: torch.nn.Module) -> Built | str:
         if callable(getattr(m, "ravex_recipe", None)):
@@ -416,6 +485,12 @@ class Recorder:
             rec = self._recipe_of(m)
             if isinstance(rec, Built):
                 modules[name] = rec.entry(weights)
+                said = (name, "omitted " + ",".join(rec.omitted))
+                if rec.omitted and said not in self._warned and self.recording:
+                    self._warned.add(said)
+                    log.warning("ravex: the recipe of %r (%s) leaves out %s: the name says it is a secret, and a secret is never "
+                                "written into a checkpoint; ravex.load_model rebuilds it with the default of each", name,
+                                type(m).__qualname__, ", ".join(rec.omitted))
                 continue
             modules[name] = {"weights": weights, "unavailable": rec}
             if (name, rec) not in self._warned and self.recording:
