@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +36,20 @@ def load_checkpoint(path: Path, index: int = -1, *, lazy: bool = False) -> tuple
     return ckpt, read_tensors(ckpt)
 
 
-def read_tensors(ckpt: Checkpoint, prefix: str | None = None, *, verify: bool = False) -> dict[str, torch.Tensor]:
+def read_tensors(ckpt: Checkpoint, prefix: str | None = None, *, verify: bool = False,
+                 names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint :func:`ravex_convert.formats.native.reader.read` opened, whole,
     on the CPU (aliases share their target's tensor); with ``prefix`` only the names under it (and
-    the targets of aliases under it). ``verify``: their checksums are checked first."""
+    the targets of aliases under it), with ``names`` only those (and their aliases' targets).
+    ``verify``: their checksums are checked first."""
     from ravex_convert._engine import read_many
     from ravex_convert.formats.native import reader as native
 
-    aliases = {a: t for a, t in ckpt.aliases.items() if prefix is None or a.startswith(prefix)}
-    wanted = [n for n in ckpt.tensors if prefix is None or n.startswith(prefix) or n in aliases.values()]
+    def picked(n: str) -> bool:
+        return (prefix is None or n.startswith(prefix)) and (names is None or n in names)
+
+    aliases = {a: t for a, t in ckpt.aliases.items() if picked(a)}
+    wanted = [n for n in ckpt.tensors if picked(n) or n in aliases.values()]
     if verify:
         native.verify_chunks(ckpt, wanted)
     tensors: dict[str, torch.Tensor] = {}

@@ -44,7 +44,7 @@ from .ranks import RankCapture
 from .recipe import Recorder
 from .restoring import restore_into
 from .resume import Resume
-from .state import Snapshot, Tracked, capture, unflatten
+from .state import Snapshot, Tracked, capture, links, unflatten
 from .tracking import Registry
 from .writer import Job, Writer
 
@@ -374,7 +374,15 @@ class Session:
         ckpt, tensors = self._resume.pending
         tracked = ckpt.objects.get("tracked")
         value = tracked.get(name) if isinstance(tracked, dict) else None
-        return unflatten(value, tensors) if value is not None else None  # its tensors too (a callback's state may hold some)
+        if value is None:
+            return None
+        # its tensors too (a callback's state may hold some); a rank of a sharded run has read none yet
+        missing = [n for n in links(value) if n not in tensors]
+        if missing:
+            from .loading import read_tensors
+
+            tensors = {**tensors, **read_tensors(ckpt, names=set(missing), verify=True)}
+        return unflatten(value, tensors)
 
     @property
     def resumed_index(self) -> int | None:

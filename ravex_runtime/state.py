@@ -358,6 +358,17 @@ def to_checkpoint(snap: Snapshot, path: Any) -> Checkpoint:
     return ckpt
 
 
+def links(value: Any) -> list[str]:
+    """The names of the tensors :func:`unflatten` would put into ``value``."""
+    if isinstance(value, TensorLink):
+        return [value.name]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in links(v)]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in links(v)]
+    return []
+
+
 def unflatten(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """The inverse of :meth:`Snapshot.flatten`: links replaced by loaded tensors."""
     if isinstance(value, TensorLink):
