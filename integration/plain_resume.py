@@ -31,7 +31,8 @@ on by Ravex. One JSON line per optimizer step in ``OUTDIR/log-<tag>.jsonl``: ``s
 (``float.hex()``), ``lr`` (the first group's after the scheduler's step). At its first batch it
 writes ``OUTDIR/restored-<tag>.json``: the scheduler's state and each parameter group's ``lr``
 and Adam step count as they are then (put in by Ravex, when resumed); with ``dump``, also
-``OUTDIR/restored-<tag>.safetensors``, the state then (:func:`dump`).
+``OUTDIR/restored-<tag>.safetensors``, the state then (:func:`dump`). At the end,
+``OUTDIR/out-<tag>.json``: ``weights``, the final parameters' digest as framework_train.py makes it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # python -P leaves the script's own directory out
 sys.path[1:1] = [str(Path(__file__).resolve().parents[1] / d) for d in ("tests", "fixtures")]  # the fixtures' models
-from framework_train import BATCH, VOCAB, Samples, Tokens, hexf, mlp
+from framework_train import BATCH, VOCAB, Samples, Tokens, digest, hexf, mlp
 
 import ravex
 
@@ -156,10 +157,13 @@ def main() -> None:
     torch.set_num_threads(1)
     log = (out / f"log-{tag}.jsonl").open("a")
 
+    built: dict[str, torch.nn.Module] = {}
+
     @ravex.train_loop()  # type: ignore[untyped-decorator]
     def train() -> None:
         torch.manual_seed(0)
         model, opt, sched, data = build(kind, steps, bool(opts.get("one_group")))
+        built["model"] = model
         batch_size = {"lightning_ds": 8, "accelerate_fsdp": 6}.get(kind, BATCH)  # one process: the 2-rank source's global batch
         loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=False)
         own, losses = 0, []
@@ -190,6 +194,8 @@ def main() -> None:
                     return
 
     train()
+    # the final weights as framework_train.py digests them (the same parameter names, in order)
+    (out / f"out-{tag}.json").write_text(json.dumps({"weights": digest(built["model"])}) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ The sources are real runs of integration/framework_train.py with Ravex off (``RA
 20 steps of one micro-batch, no randomness, the framework's own checkpoint every 10 steps. The
 torchtitan-style one is plain_resume.py itself with Ravex off, saving at step 10 with
 ``torch.distributed.checkpoint``. Each plain run resumes from the step-10 checkpoint and trains
-steps 11..20. Checked against the source run's own steps 11..20: the losses within 1e-5 relative
-(the fp32 tolerance of docs/runtime.md's foreign resumes), the learning rates exactly; and the
-scheduler state put in is the one saved (the same kind of scheduler: mapped whole), Adam's step
-count 10.
+steps 11..20. Checked against the source run's own steps 11..20: the losses and the learning
+rates bit for bit, and the final weights (a digest of every parameter's bytes) but for the HF
+Trainer's; and the scheduler state put in is the one saved (the same kind of scheduler: mapped
+whole), Adam's step count 10. The HF Trainer's final weights are not compared: plain_resume.py's
+replica of its update is not the Trainer's bit for bit even without a resume (uninterrupted, 20
+steps: the losses of steps 9 and 10 differ in their last bits and the final weights differ), so
+the difference is the replica's, not the resume's.
 """
 
 from __future__ import annotations
@@ -97,9 +100,11 @@ def test_a_plain_script_goes_on_from_the_frameworks_checkpoint(sources: Path, zy
     assert [line["step"] for line in got] == list(range(AT + 1, STEPS + 1)), run.stderr[-3000:]
     for line in got:
         ref = want[line["step"]]
-        ref_loss = float.fromhex(ref["loss"][0] if isinstance(ref["loss"], list) else ref["loss"])
-        assert abs(float.fromhex(line["loss"]) - ref_loss) <= 1e-5 * abs(ref_loss), (line, ref)
+        assert line["loss"] == (ref["loss"][0] if isinstance(ref["loss"], list) else ref["loss"]), (line, ref)
         assert line["lr"] == ref["lr"], (line, ref)
+    if kind != "hf":  # the plain replica of the Trainer's update is not the Trainer's bit for bit (the module docstring)
+        want_weights = json.loads((sources / f"out-{kind}.json").read_text())["weights"]
+        assert json.loads((tmp_path / f"out-{kind}.json").read_text())["weights"] == want_weights, "the final weights differ"
     restored = json.loads((tmp_path / f"restored-{kind}.json").read_text())
     assert restored["scheduler"] == json.loads(json.dumps(saved_scheduler(sources, kind)))
     assert restored["adam_step"] == AT
