@@ -253,6 +253,43 @@ def test_a_lightning_state_that_does_not_load_is_a_warning_and_a_fresh_start(env
         assert t.global_step == 6 and completed_steps(env)[-1] == 6  # the rest resumed: steps 5 and 6 trained
 
 
+def _hf_fit(out: Path, steps: int) -> Any:
+    import transformers
+    from _hf_train import Tokens
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64, n_positions=16))
+    args = transformers.TrainingArguments(output_dir=str(out), report_to=[], max_steps=steps, per_device_train_batch_size=4, use_cpu=True,
+                                          disable_tqdm=True, save_strategy="no", logging_steps=1)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train()
+    return trainer
+
+
+def test_an_hf_trainer_state_that_does_not_load_is_a_warning_and_a_fresh_start(env: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                                caplog: pytest.LogCaptureFixture) -> None:
+    import transformers.trainer
+
+    train = ravex.train_loop(_hf_fit)
+    train(env.parent / "hf", 4)
+    assert completed_steps(env)[-1] == 4
+
+    class Older(transformers.trainer.TrainerState):  # type: ignore[misc]  # another version's: a field this one lacks
+        def __init__(self, *args: Any, total_flos: float | None = None, **kwargs: Any) -> None:
+            if total_flos is not None:
+                raise TypeError("TrainerState.__init__() got an unexpected keyword argument 'total_flos'")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.trainer, "TrainerState", Older)
+    with said(caplog):
+        trainer = train(env.parent / "hf", 6)  # raises nothing into train()
+    warned = [r.getMessage() for r in caplog.records if r.name == "ravex" and r.levelno == logging.WARNING]
+    assert ravex_errors(caplog) == []
+    assert any("the HF Trainer's progress saved in this checkpoint could not be loaded (TypeError" in m and "starts at step 0" in m
+               for m in warned), warned
+    assert trainer.state.global_step == 6  # its own budget, from the restored weights
+
+
 # ---------------------------------------------------------------- recipes: secrets and code stay out
 
 

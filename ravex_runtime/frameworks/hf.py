@@ -59,6 +59,7 @@ class Progress:
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
+        self.fresh = False  # the saved progress did not load: the Trainer started at step 0, and that was said
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
@@ -84,7 +85,7 @@ class Progress:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         t = self.trainer
         step = json.loads(sd["state"]).get("global_step")
-        if step != t.state.global_step:
+        if step != t.state.global_step and not self.fresh:
             raise RavexError(f"the HF Trainer is at global_step {t.state.global_step}, its saved progress at {step}: the Trainer's "
                              "progress was not put back from this checkpoint", hint="start the script again: Ravex resumes from its newest checkpoint")
         loss = sd.get("tr_loss")
@@ -139,11 +140,26 @@ def apply(rt: Any, patch: Patch, module: ModuleType) -> None:
         if not (isinstance(held, Progress) and held.trainer is trainer):
             notice(trainer)
 
+    def loads(trainer: Any, state: str) -> bool:
+        """The Trainer's own loader takes the saved ``trainer_state.json`` (one saved by another
+        transformers version may not fit); when not, a warning, and the Trainer starts fresh."""
+        try:
+            module.TrainerState(**json.loads(state))
+        except Exception as exc:  # noqa: BLE001 - a restore never raises into the user's train()
+            log.warning("ravex: the HF Trainer's progress saved in this checkpoint could not be loaded (%s: %s); the Trainer starts "
+                        "at step 0 from the restored weights and trains its whole max_steps again (saved by another transformers "
+                        "version? resume with the version that saved it)", type(exc).__name__, exc)
+            held = rt.session.tracked().named.get(NAME)
+            if isinstance(held, Progress) and held.trainer is trainer:
+                held.fresh = True
+            return False
+        return True
+
     def train(original: Any) -> Any:
         def wrapper(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
             rt._safe(first_use, self)
             saved = rt._safe(rt.session.saved_object, NAME) if rt.active else None
-            if not (isinstance(saved, dict) and isinstance(saved.get("state"), str)):
+            if not (isinstance(saved, dict) and isinstance(saved.get("state"), str)) or not rt._safe(loads, self, saved["state"]):
                 return original(self, resume_from_checkpoint, *args, **kwargs)
             if resume_from_checkpoint not in (None, False):
                 log.warning("ravex: Trainer.train(resume_from_checkpoint=%r) is ignored: the run resumes from %s",
