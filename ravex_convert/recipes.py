@@ -37,9 +37,10 @@ _PART = r"[A-Za-z_][A-Za-z0-9_]*"
 _PATH = re.compile(rf"{_PART}(\.{_PART})+")
 _SHOWN_ITEMS = 8  # of a config's fields, in the one-line form
 _SIZING = re.compile(r"^(n_|num_)|layer|head|embd|hidden|intermediate|vocab|position")
-# Names that say a secret: a whole word of the name (token, use_auth_token, hf_token, db_password,
-# client_secret, credentials) or a key (api_key, secret_key, aws_access_key): never recorded, never shown.
-_SECRET = re.compile(r"(^|_)(token|auth|password|passwd|passphrase|secret|credentials?)(_|$)|(^|_)(api)?key$|^apikey$", re.IGNORECASE)
+# Names that say a secret by their last word (token, use_auth_token, hf_token, db_password,
+# client_secret, credentials, api_key, secret_key, aws_access_key): never recorded, never shown.
+# bos_token_id, token_type_ids and key_dim name no secret.
+_SECRET = re.compile(r"(^|_)(token|auth|password|passwd|passphrase|secret|credentials?|apikey|key)$", re.IGNORECASE)
 HIDDEN = "<hidden>"  # how a secret argument's value is shown
 
 

@@ -294,7 +294,8 @@ def test_an_hf_trainer_state_that_does_not_load_is_a_warning_and_a_fresh_start(e
 
 
 class WithSecrets(torch.nn.Module):
-    def __init__(self, width: int = 4, token: str | None = None, api_key: str = "", options: dict[str, Any] | None = None) -> None:
+    def __init__(self, width: int = 4, token: str | None = None, api_key: str = "", options: dict[str, Any] | None = None,
+                 bos_token_id: int = 0) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(width, 1)
 
@@ -308,7 +309,7 @@ def test_a_secret_argument_is_never_recorded_or_shown(env: Path, caplog: pytest.
 
     @ravex.train_loop
     def train() -> None:
-        model = WithSecrets(width=4, token=secret, api_key=secret, options={"db_password": secret, "depth": 2})
+        model = WithSecrets(width=4, token=secret, api_key=secret, options={"db_password": secret, "depth": 2}, bos_token_id=7)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for (x,) in torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2):
             model(x).sum().backward()
@@ -319,7 +320,7 @@ def test_a_secret_argument_is_never_recorded_or_shown(env: Path, caplog: pytest.
     every_byte = b"".join(p.read_bytes() for p in env.rglob("*") if p.is_file())
     assert secret.encode() not in every_byte
     entry = native.read(env).objects["recipes"]["modules"]["model"]
-    assert entry["kwargs"] == {"width": 4, "options": {"depth": 2}}
+    assert entry["kwargs"] == {"width": 4, "options": {"depth": 2}, "bos_token_id": 7}  # a token's id is no secret
     assert entry["omitted"] == ["token", "api_key", "options['db_password']"]
     assert any("leaves out token, api_key, options['db_password']" in r.getMessage() for r in caplog.records)
     shown = run_ravex("inspect", env)
