@@ -18,6 +18,8 @@ Options (JSON):
   after its sanity check of ``sanity`` batches, default 2: Lightning's default); their datasets draw
   at random too, between two training steps. The LightningModule holds a torchmetrics metric and
   logs with ``self.log`` (``sync_dist=True`` in validation), as users' modules do;
+- ``lora`` (HF only): the GPT-2 wrapped in a PEFT LoRA adapter on its attention (``lora_dropout``
+  0.1 with ``noise``), as a user fine-tunes an adapter;
 - ``lazy``: only the framework's top-level package is imported before the decorated call (the
   default imports ``transformers.trainer`` as well); the HF script touches ``transformers.Trainer``
   first after its model is built, so transformers loads its trainer module then;
@@ -163,6 +165,11 @@ def train_hf(opts: dict[str, Any], out: Path, log: Log, final: dict[str, Any]) -
     # and transformers loads it at the first touch of transformers.Trainer, below (as a user's script does).
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
                                                                  eos_token_id=0, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p))
+    if opts["lora"]:  # a LoRA adapter on the attention (PEFT): the base frozen, the adapter trained, with its own dropout
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                           lora_dropout=0.1 if opts["noise"] else 0.0))
     micro: list[str] = []
 
     class Recording(transformers.Trainer):  # type: ignore[misc]
@@ -302,7 +309,7 @@ def train_accelerate(opts: dict[str, Any], out: Path, log: Log, final: dict[str,
 
 
 def main() -> None:
-    opts: dict[str, Any] = {"noise": False, "workers": 0, "ga": 2, "steps": 40, "fw_ckpt": False, "fw_every": None, "sanity": 2, "lazy": False,
+    opts: dict[str, Any] = {"noise": False, "workers": 0, "ga": 2, "steps": 40, "fw_ckpt": False, "fw_every": None, "sanity": 2, "lazy": False, "lora": False,
                             **json.loads(sys.argv[1])}
     out = Path(sys.argv[2])
     framework, tag = opts["framework"], opts["tag"]

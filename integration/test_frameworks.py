@@ -4,7 +4,7 @@ between two checkpoints and started again with the same command, reproduces the 
 bit for bit. Real processes throughout; the script is integration/framework_train.py (what it
 logs is said there).
 
-Per case (framework x randomness):
+Per case (framework x randomness, and the HF Trainer fine-tuning a PEFT LoRA adapter):
 (a) a reference run with ``RAVEX_ENABLED=0``;
 (b) an uninterrupted run with Ravex (a checkpoint every 5 steps): the same log, line for line, and
     the same final weights and progress as (a) — Ravex does not perturb training;
@@ -36,6 +36,9 @@ TIMEOUT = 300
 FRAMEWORKS = ["hf", "lightning", "accelerate"]
 NOISE = {"plain": {"noise": False, "workers": 0}, "noise": {"noise": True, "workers": 0}, "noise-workers2": {"noise": True, "workers": 2}}
 SLOW = {"noise-workers2"}  # worker start-up on top of a case's four runs: cut first
+# framework x randomness, and a PEFT LoRA adapter fine-tuned by the HF Trainer (randomness on)
+CASES = [*((fw, n) for fw in FRAMEWORKS for n in NOISE), ("hf", "noise-lora")]
+NOISE["noise-lora"] = {"noise": True, "workers": 0, "lora": True}
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +117,8 @@ def compact(steps: list[int]) -> str:
     return ", ".join(f"{a}..{b}" if a != b else str(a) for a, b in runs) or "none"
 
 
-@pytest.mark.parametrize("noise", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in NOISE])
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize(("framework", "noise"), [pytest.param(fw, n, marks=[pytest.mark.slow] if n in SLOW else [], id=f"{fw}-{n}")
+                                                  for fw, n in CASES])
 def test_sigkill_between_checkpoints_then_resume_is_bit_identical(framework: str, noise: str, tmp_path: Path, zygote: Zygote) -> None:
     z = zygote
     opts = {"framework": framework, "steps": STEPS, **NOISE[noise]}
