@@ -18,7 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::binding_s3::{inner_remote, s3_err, S3Object, S3Upload};
-use crate::checksum::{checksum_ranges_of as checksum_ranges_impl, xxh3_64_bytes, Algo};
+use crate::checksum::{self, checksum_ranges_of as checksum_ranges_impl, xxh3_64_bytes, Algo};
 use crate::compare::{compare as compare_impl, Tolerance};
 use crate::compress;
 use crate::dcp::{self, Item, Leaf, LeafKind, PathItem};
@@ -576,8 +576,8 @@ fn execute<'py>(
                         .iter()
                         .filter_map(|p| p.read.map(|(src, at)| (src, at, p.len, p.crc)))
                         .collect();
-                    let crcs = exec::combine_crcs(pieces.clone(), &ranges);
-                    let parts = exec::untiled_parts(pieces, &ranges, &crcs);
+                    let crcs = checksum::combine_crcs(pieces.clone(), &ranges);
+                    let parts = checksum::untiled_parts(pieces, &ranges, &crcs);
                     (stats, crcs, parts, read, hashes)
                 },
             )
@@ -632,7 +632,7 @@ fn ranges_arg(
 /// The CRC-32 of byte strings one after another, from each one's `(crc, length)`.
 #[pyfunction]
 fn crc32_concat(parts: Vec<(u32, u64)>) -> u32 {
-    exec::crc32_concat(&parts)
+    checksum::crc32_concat(&parts)
 }
 
 /// What `execute` would do with the same arguments, without moving a byte:

@@ -486,7 +486,8 @@ proptest! {
     /// tile exactly gets none.
     #[test]
     fn crcs_from_pieces_equal_crcs_of_the_written_bytes((c, threads, window) in case()) {
-        use crate::exec::{combine_crcs, execute_with_crcs};
+        use crate::checksum::combine_crcs;
+        use crate::exec::execute_with_crcs;
         let dir = TempDir::new().unwrap();
         let a_files = write_files(dir.path(), "a", &c.a_sizes, 0x3C, &c.shape, &c.a);
         let b_files = blank(dir.path(), "b", &c.b_sizes);
@@ -541,7 +542,7 @@ proptest! {
 
 #[test]
 fn crcs_of_ranges_not_tiled_are_none() {
-    use crate::exec::{combine_crcs, WrittenCrc};
+    use crate::checksum::{combine_crcs, WrittenCrc};
     let piece = |offset: u64, data: &[u8]| WrittenCrc {
         target: 0,
         offset,
@@ -577,7 +578,8 @@ fn crcs_of_ranges_not_tiled_are_none() {
 /// the CRC of the written range.
 #[test]
 fn multi_step_pieces_land_with_their_crcs_at_any_target_offset() {
-    use crate::exec::{combine_crcs, execute_with_crcs};
+    use crate::checksum::combine_crcs;
+    use crate::exec::execute_with_crcs;
     let dir = TempDir::new().unwrap();
     let n: u64 = 300_000; // f32 elements: 1.2 MB, many 64 KiB steps, several pieces per window
     let data: Vec<u8> = (0..n)
@@ -703,7 +705,7 @@ fn direct_works(dir: &Path) -> bool {
 
 #[test]
 fn untiled_parts_gives_the_pieces_inside_each_range_left_without_a_crc() {
-    use crate::exec::{combine_crcs, crc32_concat, untiled_parts, WrittenCrc};
+    use crate::checksum::{combine_crcs, crc32_concat, untiled_parts, WrittenCrc};
     let data: Vec<u8> = (0..100u8).collect();
     let piece = |target, offset: u64, len: u64| WrittenCrc {
         target,
@@ -741,7 +743,7 @@ fn untiled_parts_gives_the_pieces_inside_each_range_left_without_a_crc() {
 
 #[test]
 fn crc32_concat_is_the_crc_of_the_bytes_one_after_another() {
-    use crate::exec::crc32_concat;
+    use crate::checksum::crc32_concat;
     let (a, b, c): (&[u8], &[u8], &[u8]) = (b"abc", b"", b"defgh");
     let parts = [a, b, c].map(|d| (crc32fast::hash(d), d.len() as u64));
     assert_eq!(crc32_concat(&parts), crc32fast::hash(b"abcdefgh"));
