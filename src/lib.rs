@@ -27,6 +27,8 @@ pub mod remote;
 pub mod s3text;
 
 #[cfg(test)]
+mod exec_crc_tests;
+#[cfg(test)]
 mod exec_tests;
 #[cfg(test)]
 mod exec_validation_tests;
