@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SOURCE_KEY", "PathItem", "StateLayout", "by_position", "layout_of", "merge", "optimizer_tree", "place", "regroup", "unflatten", "unflatten_optimizer"]
+__all__ = ["SOURCE_KEY", "PathItem", "StateLayout", "by_position", "dotted", "layout_of", "merge", "optimizer_tree", "place", "regroup", "unflatten", "unflatten_optimizer"]
 
 SOURCE_KEY = "state_layout"
 
@@ -243,3 +243,8 @@ def unflatten(leaves: Iterable[tuple[tuple[PathItem, ...], Any]]) -> dict[str, A
                     node[key] = fresh
                 node = node[key]
     return root
+
+
+def dotted(path: tuple[PathItem, ...]) -> str:
+    """A path in a state tree as ``inspect`` shows it: ``"app.model"``, ``"(top level)"``."""
+    return ".".join(map(str, path)) or "(top level)"

@@ -15,7 +15,7 @@ from pathlib import Path
 from .errors import RavexError
 from .model import MODEL, OBJ, OPTIM, Checkpoint, LogicalTensor
 
-__all__ = ["FLOAT_DTYPES", "Options", "durability", "durable", "fsync_dir", "fsync_fd", "out_dtype", "select"]
+__all__ = ["FLOAT_DTYPES", "Options", "durability", "durable", "fsync_dir", "fsync_fd", "out_dtype", "select", "strip_name"]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -48,7 +48,9 @@ def out_dtype(t: LogicalTensor, opts: Options) -> str:
     return t.dtype
 
 
-def _strip(name: str, prefixes: list[str]) -> str:
+def strip_name(name: str, prefixes: list[str]) -> str:
+    """A logical name with the first of ``prefixes`` that its parameter name starts with taken off
+    (``--strip-prefix``), for model, optimizer and ``obj/`` names alike."""
     for area in (MODEL, OBJ):
         if name.startswith(area):
             rest = name[len(area):]
@@ -70,14 +72,14 @@ def select(ckpt: Checkpoint, opts: Options) -> Checkpoint:
     for name, t in ckpt.tensors.items():
         if opts.weights_only and not name.startswith(MODEL):
             continue
-        new = _strip(name, opts.strip_prefix)
+        new = strip_name(name, opts.strip_prefix)
         if new in out.tensors:
             raise RavexError(f"--strip-prefix makes two tensors one name: '{new}'", hint="strip a prefix that not every name shares, or none")
         out.tensors[new] = t.renamed(new)
     for alias, target in ckpt.aliases.items():
         if opts.weights_only and not alias.startswith(MODEL):
             continue
-        out.aliases[_strip(alias, opts.strip_prefix)] = _strip(target, opts.strip_prefix)
+        out.aliases[strip_name(alias, opts.strip_prefix)] = strip_name(target, opts.strip_prefix)
     if opts.weights_only:
         out.objects = {}
     else:
@@ -85,7 +87,7 @@ def select(ckpt: Checkpoint, opts: Options) -> Checkpoint:
         groups = out.objects.get("optim.param_groups")
         if opts.strip_prefix and isinstance(groups, list):
             out.objects["optim.param_groups"] = [
-                {**g, "params": [_strip(MODEL + p, opts.strip_prefix)[len(MODEL):] for p in g.get("params", [])]} for g in groups
+                {**g, "params": [strip_name(MODEL + p, opts.strip_prefix)[len(MODEL):] for p in g.get("params", [])]} for g in groups
             ]
     return out
 

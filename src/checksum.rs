@@ -1,11 +1,18 @@
-//! Checksums of byte ranges of a file: xxh3-64 for the native store's chunks,
-//! CRC-32 for zip entries (what `torch.save` archives record).
+//! Checksums: xxh3-64 for the native store's chunks, CRC-32 for zip entries
+//! (what `torch.save` archives record).
+//!
+//! - [`checksum_ranges`]: byte ranges of a file, read again.
+//! - What the executor wrote, without reading it again: the CRC-32 of each
+//!   piece ([`WrittenCrc`]) combined into a range's ([`combine_crcs`],
+//!   [`untiled_parts`], [`crc32_concat`]), and the xxh3-64 of ranges hashed as
+//!   their bytes go out (`HashRanges`, one `HashStream` per copy thread).
 
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::Mutex;
 
 use rayon::prelude::*;
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::files::{check_range, label, open_source, Error, Source, SourceData};
 
@@ -96,6 +103,208 @@ pub fn checksum_ranges_of(
         .into_par_iter()
         .map(|r| algo.of(&bytes[r]))
         .collect())
+}
+
+// ---------------------------------------------------------------- checksums of what the executor wrote
+
+/// The CRC-32 of bytes one piece wrote: `len` bytes at `offset` of `target`.
+/// `read`: where those bytes came from, `(source, offset)`, when the piece
+/// copied them unchanged (same dtype): the CRC is then also that of the
+/// `len` source bytes there, so a reader's checksums of the source can be
+/// checked without reading it again (`None` for a cast).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WrittenCrc {
+    pub target: usize,
+    pub offset: u64,
+    pub len: u64,
+    pub crc: u32,
+    pub read: Option<(usize, u64)>,
+}
+
+/// Bytes one piece wrote: `len` bytes at `offset` of target `target`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub target: usize,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// A range to hash: `(target, offset, len, the caller's index of it)`.
+pub(crate) type HashRange = (usize, u64, u64, usize);
+
+/// The xxh3-64 of each range asked (None: not hashed), in the caller's order.
+pub type Hashes = Vec<Option<u64>>;
+
+/// The ranges to hash, sorted, and the hash found for each (in the caller's order).
+pub(crate) struct HashRanges {
+    /// `(target, offset, len, caller's index)`, by target and offset; empty
+    /// ranges and ranges that overlap another are left out (the ones never
+    /// hashed: their bytes would have to go to two hashes).
+    sorted: Vec<HashRange>,
+    found: Mutex<Hashes>,
+}
+
+impl HashRanges {
+    pub(crate) fn new(ranges: &[(usize, u64, u64)]) -> HashRanges {
+        let mut sorted: Vec<_> = ranges
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.2 > 0)
+            .map(|(i, &(t, o, l))| (t, o, l, i))
+            .collect();
+        sorted.sort_unstable();
+        let overlap = |a: HashRange, b: HashRange| a.0 == b.0 && b.1 < a.1.saturating_add(a.2);
+        let alone: Vec<bool> = (0..sorted.len())
+            .map(|i| {
+                let before = i > 0 && overlap(sorted[i - 1], sorted[i]);
+                let after = i + 1 < sorted.len() && overlap(sorted[i], sorted[i + 1]);
+                !(before || after)
+            })
+            .collect();
+        let mut kept = alone.into_iter();
+        sorted.retain(|_| kept.next().unwrap_or(false));
+        // An empty range holds the hash of no bytes; no piece writes it.
+        let found = ranges
+            .iter()
+            .map(|&(_, _, l)| (l == 0).then(|| Xxh3::new().digest()))
+            .collect();
+        HashRanges {
+            sorted,
+            found: Mutex::new(found),
+        }
+    }
+
+    /// The range that holds all of the written span `w`, if one does.
+    pub(crate) fn holding(&self, w: Span) -> Option<HashRange> {
+        let i = self
+            .sorted
+            .partition_point(|&(t, o, _, _)| (t, o) <= (w.target, w.offset));
+        let r = *self.sorted.get(i.checked_sub(1)?)?;
+        (r.0 == w.target && w.offset + w.len <= r.1 + r.2).then_some(r)
+    }
+
+    /// Whether a copy thread's stretch may begin at `w`: no range holds it, or
+    /// one begins there (a cut there leaves every range to one thread).
+    pub(crate) fn may_start(&self, w: Span) -> bool {
+        self.holding(w).is_none_or(|r| r.1 == w.offset)
+    }
+
+    pub(crate) fn into_found(self) -> Hashes {
+        self.found.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One copy thread's hash of the range its pieces are in: pieces come in
+/// target order, so a range is hashed when its first piece starts it and
+/// each next piece continues where the last ended.
+pub(crate) struct HashStream<'a> {
+    ranges: &'a HashRanges,
+    /// The range being hashed (its entry in `ranges.sorted`), the next byte
+    /// expected, and the hash so far.
+    open: Option<(HashRange, u64, Xxh3)>,
+}
+
+impl<'a> HashStream<'a> {
+    pub(crate) fn new(ranges: &'a HashRanges) -> HashStream<'a> {
+        HashStream { ranges, open: None }
+    }
+
+    /// Where the bytes of span `w` are to be hashed, if its range is being hashed in order.
+    pub(crate) fn feed(&mut self, w: Span) -> Option<&mut Xxh3> {
+        let r = self.ranges.holding(w)?;
+        if w.offset == r.1 {
+            self.open = Some((r, r.1, Xxh3::new()));
+        }
+        let in_order =
+            matches!(&self.open, Some((open, next, _)) if *open == r && *next == w.offset);
+        if !in_order {
+            self.open = None; // a gap, or a range begun by another thread
+        }
+        self.open.as_mut().map(|(_, _, h)| h)
+    }
+
+    /// After span `w` was written (and fed): the range's hash once its last byte is in.
+    pub(crate) fn written(&mut self, w: Span) {
+        let Some((r, next, h)) = &mut self.open else {
+            return;
+        };
+        if *next != w.offset || self.ranges.holding(w) != Some(*r) {
+            return;
+        }
+        *next += w.len;
+        if *next == r.1 + r.2 {
+            let digest = h.digest();
+            self.ranges.found.lock().unwrap_or_else(|e| e.into_inner())[r.3] = Some(digest);
+            self.open = None;
+        }
+    }
+}
+
+/// The CRC-32 of each `(target, offset, len)` range, combined from the pieces
+/// that tile it exactly; `None` where the pieces written do not tile the range.
+pub fn combine_crcs(mut pieces: Vec<WrittenCrc>, ranges: &[(usize, u64, u64)]) -> Vec<Option<u32>> {
+    pieces.sort_by_key(|p| (p.target, p.offset));
+    ranges
+        .iter()
+        .map(|&(target, offset, len)| {
+            if len == 0 {
+                return Some(0);
+            }
+            let mut i = pieces.partition_point(|p| (p.target, p.offset) < (target, offset));
+            let mut at = offset;
+            let mut hasher = crc32fast::Hasher::new();
+            while at < offset + len {
+                let p = pieces
+                    .get(i)
+                    .filter(|p| p.target == target && p.offset == at)?;
+                if p.offset + p.len > offset + len {
+                    return None;
+                }
+                hasher.combine(&crc32fast::Hasher::new_with_initial_len(p.crc, p.len));
+                at += p.len;
+                i += 1;
+            }
+            Some(hasher.finalize())
+        })
+        .collect()
+}
+
+/// For each range [`combine_crcs`] found no CRC for (`None` in `found`), the
+/// pieces written inside it, as `(range index, offset, len, crc)`: a caller
+/// running a job in batches joins them across batches (a range that one
+/// batch's pieces do not tile, such as a ZeRO flat partition filled by
+/// tensors of several batches, then needs no second read of the output).
+pub fn untiled_parts(
+    mut pieces: Vec<WrittenCrc>,
+    ranges: &[(usize, u64, u64)],
+    found: &[Option<u32>],
+) -> Vec<(usize, u64, u64, u32)> {
+    pieces.sort_by_key(|p| (p.target, p.offset));
+    let mut out = Vec::new();
+    for (i, &(target, offset, len)) in ranges.iter().enumerate() {
+        if found.get(i).is_some_and(Option::is_some) {
+            continue;
+        }
+        let first = pieces.partition_point(|p| (p.target, p.offset) < (target, offset));
+        for p in pieces[first..]
+            .iter()
+            .take_while(|p| p.target == target && p.offset < offset + len)
+        {
+            if p.offset + p.len <= offset + len {
+                out.push((i, p.offset, p.len, p.crc));
+            }
+        }
+    }
+    out
+}
+
+/// The CRC-32 of bytes `(crc, len)` after one another (zlib's crc32_combine).
+pub fn crc32_concat(parts: &[(u32, u64)]) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    for &(crc, len) in parts {
+        hasher.combine(&crc32fast::Hasher::new_with_initial_len(crc, len));
+    }
+    hasher.finalize()
 }
 
 #[cfg(test)]

@@ -8,9 +8,11 @@
 //! window). [`checksum`], [`compress`] and [`compare`] hash, frame and compare
 //! chunk bytes. [`dcp`] lays out a DCP output's items and writes its
 //! `.metadata` pickle from one description per key (the one place here that
-//! knows torch's class names; nothing here imports or runs torch). The Python module
-//! `ravex_convert._core` is a thin layer over this, built only with the
-//! `python` feature.
+//! knows torch's class names; nothing here imports or runs torch). `remote`
+//! reads and writes objects in S3-compatible buckets (the executor sees them
+//! only as `ReadAt`/`WriteAt`). The Python module `ravex_convert._core` is a
+//! thin layer over this, built only with the `python` feature: `binding`
+//! (src/binding.rs and src/binding/), the only code that knows pyo3.
 
 pub mod checksum;
 pub mod compare;
@@ -27,6 +29,8 @@ pub mod remote;
 pub mod s3text;
 
 #[cfg(test)]
+mod exec_crc_tests;
+#[cfg(test)]
 mod exec_tests;
 #[cfg(test)]
 mod exec_validation_tests;
@@ -35,5 +39,3 @@ mod proptests;
 
 #[cfg(feature = "python")]
 mod binding;
-#[cfg(feature = "python")]
-mod binding_s3;

@@ -35,6 +35,8 @@ from .._torchfile.write import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, 
 from ..errors import LayoutMismatchError, RavexError
 from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
 from ..plan import OutFile
+from .small_state import read_objects, to_pickle
+from .torch_optimizer import add_param_state, check_optimizer
 
 __all__ = ["FILES", "carried_files", "carry", "carry_rest", "name_positions", "names_by_shape", "optimizer_file", "optimizer_tensors", "position_keyed", "positional_optimizer",
            "read_optimizer", "read_small", "small_file", "torch_file", "training_files"]
@@ -93,12 +95,10 @@ def read_small(file: Path, ckpt: Checkpoint, prefix: str, *, shallow: bool = Fal
     """A small torch.save file (a scheduler's or scaler's state dict) as plain
     values, any tensor in it moved out to an ``obj/`` logical tensor (``shallow``:
     for ``inspect``, no CRC pass)."""
-    from .torch_save import _objects  # the same walk the torch_save reader does
-
     archive = open_archive(file)
     if not shallow:
         verify_crcs(archive)
-    return _objects(archive, archive.root, ckpt, prefix, shallow)
+    return read_objects(archive, archive.root, ckpt, prefix, shallow)  # the same walk the torch_save reader does
 
 
 def position_keyed(optim: dict[str, Any]) -> list[int]:
@@ -114,11 +114,9 @@ def read_optimizer(ckpt: Checkpoint, archive: TorchArchive, names: list[str] | N
     and ``source["optimizer_error"]`` stops whoever needs the optimizer state.
     ``archive``: the file, opened (once) by the caller. Returns the optimizer
     state dict as the restricted unpickler read it."""
-    from .torch_save import _check_optimizer, add_param_state
-
     file = archive.path
     optim = archive.root
-    _check_optimizer(optim, file.name, file)
+    check_optimizer(optim, file.name, file)
     if not shallow:
         verify_crcs(archive)
     state = optim.get("state") or {}
@@ -269,8 +267,6 @@ def training_files(ckpt: Checkpoint, optimizer: str, scheduler: str, opts: Optio
 
 def small_file(rel: str, ckpt: Checkpoint, value: Any, opts: Options) -> OutFile:
     """``rel`` as torch.save of ``value`` (a scheduler's state dict), its tensor links resolved."""
-    from .torch_save import _to_pickle
-
     links: list[str] = []
 
     def walk(v: Any) -> None:
@@ -285,4 +281,4 @@ def small_file(rel: str, ckpt: Checkpoint, value: Any, opts: Options) -> OutFile
 
     walk(value)
     tensors = [ckpt.tensors[n] for n in dict.fromkeys(links) if n in ckpt.tensors]
-    return torch_file(rel, tensors, lambda outs: _to_pickle(value, outs), opts)
+    return torch_file(rel, tensors, lambda outs: to_pickle(value, outs), opts)

@@ -6,7 +6,7 @@ state tree as it was saved: the DCP recipe's ``{"app": AppState}`` becomes
 keyed by parameter name as ``get_state_dict`` returns it, and Ravex's own
 ``--to torch_save --layout source`` of such a DCP writes the same tree. The DCP
 reader already finds the model and the optimizer anywhere in a DCP's flattened
-keys (its ``_classify``); :func:`find` hands it the torch.save tree's leaves,
+keys (its ``classify``); :func:`find` hands it the torch.save tree's leaves,
 flattened as DCP flattens a state dict, so the file is read as the DCP it came
 from is read.
 """
@@ -17,11 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._layout import PathItem
+from .._layout import PathItem, dotted
 from .._torchfile.unpickle import TensorRef
 from ..model import MODEL
-from .dcp.reader import DcpMetadata, DcpTensor, _classify
-from .dcp.reader import _dotted as dotted  # a path as inspect shows it: "app.model", "(top level)"
+from .dcp.reader import DcpMetadata, DcpTensor, classify
 
 __all__ = ["Nested", "at", "dotted", "find", "pruned"]
 
@@ -75,7 +74,7 @@ def find(root: Any) -> Nested | None:
             tensors[key] = DcpTensor(key, path, value.shape, value.dtype, [])
         else:
             objects[key] = path
-    roles = _classify(DcpMetadata(tensors, objects, {}, has_strides=False))
+    roles = classify(DcpMetadata(tensors, objects, {}, has_strides=False))
     if not roles.model_found:
         return None
     sd = {roles.names[k][len(MODEL):]: ref for k, ref in refs.items() if roles.names[k].startswith(MODEL)}

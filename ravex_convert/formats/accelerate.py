@@ -56,6 +56,7 @@ from ..plan import OutFile, WritePlan, run
 from . import safetensors
 from ._framework import FILES, carried_files, carry_rest, names_by_shape, read_optimizer, read_small, small_file, training_files
 from .dcp import reader as dcp
+from .torch_optimizer import optimizer_info, saved_step
 
 __all__ = ["describe", "read", "sniff", "write"]
 
@@ -92,8 +93,6 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
     ckpt = Checkpoint("accelerate", path, world_size=1, tensors=weights.tensors, aliases=weights.aliases, notes=weights.notes)
     optim: dict[str, Any] | None = None
     if (path / OPTIMIZER).is_file():
-        from .torch_save import _step
-
         archive = open_archive(path / OPTIMIZER)
         root = archive.root
         if shallow and param_names is None:
@@ -104,7 +103,7 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
             optim = read_optimizer(ckpt, archive, names, how, shallow=shallow)
             if names is not None:
                 ckpt.notes.append(f"optimizer positions: {how}")
-        ckpt.step = _step(archive, None, root if isinstance(root, dict) else None)  # the optimizer's own step count
+        ckpt.step = saved_step(archive, None, root if isinstance(root, dict) else None)  # the optimizer's own step count
     if (path / SCHEDULER).is_file():
         ckpt.objects["lr_scheduler"] = read_small(path / SCHEDULER, ckpt, "obj/lr_scheduler", shallow=shallow)
     carry_rest(ckpt, path, {WEIGHTS, OPTIMIZER, SCHEDULER})
@@ -280,8 +279,6 @@ def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
 
 def describe(path: Path, reasons: list[str], param_names: list[str] | None = None) -> CheckpointInfo:
     """What :func:`read` finds; an optimizer keyed by position is shown by position."""
-    from .torch_save import _optimizer_info
-
     if sniff(path) and not (path / WEIGHTS).is_file():
         return _describe_fsdp(path, reasons)
     ckpt, optim = _read(path, param_names, shallow=True)
@@ -291,7 +288,7 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
     info.tensors = [TensorInfo(n[len(MODEL):], t.shape, t.dtype) for n, t in ckpt.tensors.items() if n.startswith(MODEL)]
     info.aliases = {a[len(MODEL):]: t[len(MODEL):] for a, t in ckpt.aliases.items() if a.startswith(MODEL)}
     if optim is not None and isinstance(optim, dict):
-        info.optimizer, shown = _optimizer_info(optim)
+        info.optimizer, shown = optimizer_info(optim)
         info.tensors += shown
         if param_names is None:
             ckpt.notes.append("optimizer state is keyed by position; a conversion names it by shape where that decides, else needs --param-names")

@@ -47,6 +47,7 @@ from ..plan import OutFile, WritePlan, run
 from . import safetensors
 from ._framework import FILES, carried_files, carry_rest, read_optimizer, read_small, training_files
 from .options import WriteOptions, option
+from .torch_optimizer import optimizer_info
 from .zero import reader as zero
 from .zero.options import PRECISION, ZERO_STAGE
 
@@ -192,8 +193,6 @@ def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
 def describe(path: Path, reasons: list[str], param_names: list[str] | None = None) -> CheckpointInfo:
     """What :func:`read` finds, without rebuilding the architecture (so no
     torch): an optimizer keyed by position is shown by position."""
-    from .torch_save import _optimizer_info
-
     if _deepspeed(path):
         # ZeRO's own describe for the ZeRO part (metadata only), the Trainer's files by name
         info = zero.describe(path, reasons)
@@ -214,7 +213,7 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
     info.tensors = [TensorInfo(n[len(MODEL):], t.shape, t.dtype) for n, t in ckpt.tensors.items() if n.startswith(MODEL)]
     info.aliases = {a[len(MODEL):]: t[len(MODEL):] for a, t in ckpt.aliases.items() if a.startswith(MODEL)}
     if optim is not None:
-        info.optimizer, shown = _optimizer_info(optim)
+        info.optimizer, shown = optimizer_info(optim)
         info.tensors += shown
         ckpt.notes.append("optimizer state is keyed by position; a conversion names it from config.json's architecture (or --param-names)")
     elif any(n.startswith("optim/") for n in ckpt.tensors):

@@ -18,8 +18,6 @@ Lightning's keys from any source (:data:`LIGHTNING`).
 
 from __future__ import annotations
 
-import math
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,23 +27,24 @@ from .._engine import page_residue
 from .._layout import SOURCE_KEY, PathItem, StateLayout, layout_of, optimizer_tree, place, unflatten_optimizer
 from .._output import Options, out_dtype
 from .._paths import inside
-from .._torchfile.archive import TorchArchive, gather_strided, is_torch_zip, open_archive, verify_crcs
+from .._torchfile.archive import is_torch_zip, open_archive, verify_crcs
 from .._torchfile.unpickle import TensorRef
 from .._torchfile.write import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout, dumps
 from ..errors import CorruptCheckpointError, LayoutMismatchError, RavexError, UnknownFormatError
-from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
-from ..model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, itemsize
+from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
+from ..model import MODEL, OBJ, OPTIM, Checkpoint, itemsize
 from ..objects import key_of
 from ..plan import OutFile, WritePlan, run
 from . import _nesting as state_tree
 from .options import LAYOUT, WriteOptions, option
+from .small_state import read_objects, tensor_chunk, to_pickle
+from .torch_optimizer import add_param_state, check_optimizer, optimizer_info, saved_step
 
-__all__ = ["LAYOUTS", "LIGHTNING", "SUFFIXES", "TorchSaveOptions", "add_param_state", "describe", "find_model_and_optimizer", "read", "sniff"]
+__all__ = ["LAYOUTS", "LIGHTNING", "SUFFIXES", "TorchSaveOptions", "describe", "find_model_and_optimizer", "read", "sniff"]
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
 _OPTIM_KEYS = ("optim", "optimizer", "optimizer_state_dict")
-_STEP_KEYS = ("step", "global_step", "iteration", "global_steps")
 
 # Lightning's Trainer.save_checkpoint: the model under "state_dict", one torch optimizer
 # state dict per optimizer in "optimizer_states" (keyed by position), one scheduler
@@ -132,66 +131,6 @@ def _aliases(sd: dict[str, TensorRef]) -> dict[str, str]:
     return out
 
 
-def _optimizer_info(optim: dict[str, Any]) -> tuple[OptimizerInfo, list[TensorInfo]]:
-    """The optimizer as ``inspect`` shows it, keyed as the file keys it (by
-    position where torch's optimizer.state_dict() saved it)."""
-    state = optim.get("state") or {}
-    names: list[str] = []
-    for per_param in state.values():
-        if isinstance(per_param, dict):
-            names.extend(n for n in per_param if n not in names)
-    groups = optim.get("param_groups")
-    kind = "Adam" if {"exp_avg", "exp_avg_sq"} <= set(names) else ("SGD" if "momentum_buffer" in names else "unknown")
-    tensors = [TensorInfo(f"optim.{sname}/{pname}", value.shape, value.dtype, "optim")
-               for pname, per_param in state.items() if isinstance(per_param, dict)
-               for sname, value in per_param.items() if isinstance(value, TensorRef)]
-    return OptimizerInfo(kind, names, len(groups) if isinstance(groups, list) else None), tensors
-
-
-def _step(archive: TorchArchive, root: Any, optim: dict[str, Any] | None) -> int | None:
-    if isinstance(root, dict):
-        for k in _STEP_KEYS:
-            v = root.get(k)
-            if isinstance(v, int) and not isinstance(v, bool):
-                return v
-    if optim and isinstance(optim.get("state"), dict):
-        for per_param in optim["state"].values():
-            s = per_param.get("step") if isinstance(per_param, dict) else None
-            if isinstance(s, TensorRef) and s.numel == 1:
-                s = archive.read_scalar(s)
-            if isinstance(s, (int, float)) and not isinstance(s, bool):
-                # a damaged step may be NaN or infinite: no step rather than a bare error
-                return int(s) if math.isfinite(s) else None
-    return None
-
-
-def _check_optimizer(optim: Any, key: str | None, file: Path) -> None:
-    """The shape of a torch optimizer state dict, before anything walks it:
-    ``state`` a dict of dicts, ``param_groups`` a list of dicts whose ``params``
-    list parameter keys (ints or names)."""
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{file}: the optimizer state ('{key}') {what}; not a torch optimizer state_dict",
-            hint="the file is damaged, or holds something else under that key; copy it again, or convert with --weights-only",
-            path=file,
-        )
-
-    if not isinstance(optim, dict):
-        raise bad("is not a dict")
-    state = optim.get("state")
-    if state is not None and (not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values())):
-        raise bad("has a 'state' that is not a dict of per-parameter dicts")
-    groups = optim.get("param_groups")
-    if groups is None:
-        return
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise bad("has 'param_groups' that are not a list of dicts")
-    for g in groups:
-        params = g.get("params", [])
-        if not isinstance(params, list) or not all(isinstance(p, (int, str)) and not isinstance(p, bool) for p in params):
-            raise bad("has a param group whose 'params' is not a list of parameter ids")
-
-
 def _lightning_optimizers(states: Any, file: Path) -> CorruptCheckpointError | None:
     """Lightning's ``optimizer_states`` is a list of optimizer state dicts, one per
     optimizer; anything else is refused (the weights are still read)."""
@@ -229,7 +168,7 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
         param = _marked(ref) if marked else t.dtype.startswith(("float", "bfloat"))
         info.tensors.append(TensorInfo(name, t.shape, t.dtype, "param" if param else "other"))
     if found.optim is not None:
-        info.optimizer, optim_tensors = _optimizer_info(found.optim)
+        info.optimizer, optim_tensors = optimizer_info(found.optim)
         info.tensors += optim_tensors
     info.notes = list(ckpt.notes)
     if found.model_key is not None:
@@ -246,25 +185,6 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
         info.extra["lightning"] = {"version": found.lightning, "optimizers": found.optimizers,
                                    "state": [k for k in extra if k != _LIGHTNING_MARK]}
     return info
-
-
-def _tensor_chunk(archive: TorchArchive, ref: TensorRef, name: str, shallow: bool = False) -> LogicalTensor:
-    t = LogicalTensor(name, ref.shape, ref.dtype)
-    whole = Box(tuple(0 for _ in ref.shape), ref.shape)
-    if ref.is_contiguous():
-        end = archive.tensor_offset(ref) + ref.nbytes
-        storage_end = archive.storage_offsets[ref.storage.key] + archive.storage_sizes[ref.storage.key]
-        if end > storage_end:
-            raise CorruptCheckpointError(
-                f"{archive.path}: tensor '{name}' runs past the end of its storage", hint="the file is truncated or damaged; copy it again", path=archive.path
-            )
-        t.chunks.append(Chunk(whole, ref.dtype, archive.path, archive.tensor_offset(ref)))
-    elif not shallow:
-        # A strided view (a transpose saved as is): gather its elements once,
-        # here, and carry them inline. Rare, and small in practice.
-        # (open_archive checked the view against its storage.)
-        t.chunks.append(Chunk(whole, ref.dtype, data=gather_strided(archive, ref, f"tensor '{name}'")))
-    return t
 
 
 def _embed(cands: list[str], shapes: list[tuple[int, ...] | None], sd: dict[str, TensorRef], used: set[str], reverse: bool) -> list[str] | None:
@@ -391,8 +311,8 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
     found = _find(file, root)
     model_key, sd, optim_key, optim = found.model_key, found.sd, found.optim_key, found.optim
     if optim is not None:
-        _check_optimizer(optim, optim_key, file)
-    ckpt = Checkpoint("torch_save", file, world_size=1, step=_step(archive, root, optim))
+        check_optimizer(optim, optim_key, file)
+    ckpt = Checkpoint("torch_save", file, world_size=1, step=saved_step(archive, root, optim))
     lightning = isinstance(root, dict) and not found.nested and model_key == "state_dict" and (_LIGHTNING_MARK in root or "optimizer_states" in root)
     more: list[Any] = []  # a Lightning checkpoint's second, third, ... optimizer
     if lightning:
@@ -404,7 +324,7 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
         elif optim_key == "optimizer_states[0]":
             more = root["optimizer_states"][1:]
             for i, other in enumerate(more, 1):
-                _check_optimizer(other, f"optimizer_states[{i}]", file)
+                check_optimizer(other, f"optimizer_states[{i}]", file)
             found.optimizers = 1 + len(more)
     if not any(_marked(ref) for ref in sd.values()):
         ckpt.notes.append(NO_PARAM_MARKS)
@@ -427,7 +347,7 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
         if name in aliases:
             ckpt.aliases[MODEL + name] = MODEL + aliases[name]
         else:
-            ckpt.add(_tensor_chunk(archive, ref, MODEL + name, shallow))
+            ckpt.add(tensor_chunk(archive, ref, MODEL + name, shallow))
     if optim is not None:
         try:
             names = _param_names_by_order(sd, aliases, optim, param_names, file) if by_index else {k: k for k in state}
@@ -450,14 +370,14 @@ def _read(path: Path, param_names: list[str] | None = None, *, shallow: bool = F
         ckpt.objects["optim.param_groups"] = groups
     for i, other in enumerate(more, 1):
         # kept whole, as saved (keyed by position), under the objects key of a further optimizer
-        ckpt.objects[f"optimizer.{i}"] = _objects(archive, other, ckpt, f"{OBJ}optimizer.{i}", shallow)
+        ckpt.objects[f"optimizer.{i}"] = read_objects(archive, other, ckpt, f"{OBJ}optimizer.{i}", shallow)
     if isinstance(root, dict) and model_key is not None:  # a bare state dict is all model
         # the rest, at its nesting (a nested model's dict goes with its last entry; Lightning's list of optimizers whole)
         taken = [(*found.model_at, name) for name in sd] if found.nested else [found.model_at]
         if found.optim_at is not None:
             taken.append(found.optim_at[:1] if found.optim_at == LIGHTNING.optim else found.optim_at)
         for key, value in (state_tree.pruned(root, taken) or {}).items():
-            ckpt.objects.setdefault("extra", {})[str(key)] = _objects(archive, value, ckpt, f"{OBJ}{key}", shallow)
+            ckpt.objects.setdefault("extra", {})[str(key)] = read_objects(archive, value, ckpt, f"{OBJ}{key}", shallow)
     return ckpt, found
 
 
@@ -469,46 +389,6 @@ def read(path: Path, param_names: list[str] | None = None) -> Checkpoint:
     state is not), and the other top-level entries as ``objects["extra"]``.
     Every storage's CRC-32 is checked first (RAVEX_NO_CRC=1 skips it)."""
     return _read(path, param_names)[0]
-
-
-def add_param_state(ckpt: Checkpoint, archive: TorchArchive, fqn: str, per: dict[str, Any], shallow: bool = False) -> None:
-    """One parameter's optimizer state (``{state: tensor or number}``) as
-    ``optim/<state>/<fqn>`` tensors located in ``archive``."""
-    for sname, value in per.items():
-        lname = f"{OPTIM}{sname}/{fqn}"
-        if isinstance(value, TensorRef):
-            ckpt.add(_tensor_chunk(archive, value, lname, shallow))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            # old torch kept Adam's step as a Python number; keep it as the tensor newer torch saves
-            ckpt.add(LogicalTensor(lname, (), "float32", [Chunk(Box((), ()), "float32", data=struct.pack("<f", float(value)))]))
-
-
-def _objects(archive: TorchArchive, value: Any, ckpt: Checkpoint, prefix: str, shallow: bool = False) -> Any:
-    """Small state, with any tensor inside moved out to an ``obj/`` logical tensor."""
-    if isinstance(value, TensorRef):
-        ckpt.add(_tensor_chunk(archive, value, prefix, shallow))
-        return TensorLink(prefix)
-    if isinstance(value, dict):
-        return type(value)((k, _objects(archive, v, ckpt, f"{prefix}/{k}", shallow)) for k, v in value.items())
-    if isinstance(value, list):
-        return [_objects(archive, v, ckpt, f"{prefix}/{i}", shallow) for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        return tuple(_objects(archive, v, ckpt, f"{prefix}/{i}", shallow) for i, v in enumerate(value))
-    return value
-
-
-def _to_pickle(value: Any, tensors: dict[str, TensorOut]) -> Any:
-    if isinstance(value, TensorLink):
-        if value.name not in tensors:
-            raise RavexError(f"the state names tensor '{value.name}', which is not in the checkpoint")
-        return tensors[value.name]
-    if isinstance(value, dict):
-        return type(value)((k, _to_pickle(v, tensors)) for k, v in value.items())
-    if isinstance(value, list):
-        return [_to_pickle(v, tensors) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_pickle(v, tensors) for v in value)
-    return value
 
 
 def _nesting(ckpt: Checkpoint, layout: str | None) -> StateLayout:
@@ -533,7 +413,7 @@ def _lightning_keys(ckpt: Checkpoint, root: dict[str, Any], outs: dict[str, Tens
     named = sorted((k for k in ckpt.objects if (found := key_of(k)) is not None and found.name.startswith("lr_scheduler")),
                    key=lambda k: 0 if k == "lr_scheduler" else int(k.rpartition(".")[2]))
     if named:
-        root["lr_schedulers"] = [_to_pickle(ckpt.objects[k], outs) for k in named]
+        root["lr_schedulers"] = [to_pickle(ckpt.objects[k], outs) for k in named]
     has_optim = "optimizer_states" in root
     resumes = "would restore the weights, optimizer and scheduler but count steps and epochs from 0" if has_optim and named else \
         "cannot resume from it (it needs optimizer_states and lr_schedulers)"
@@ -574,7 +454,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, layout: str | None = 
             optim_state.setdefault(fqn, {})[state] = outs[n]
     if optim_state or "optim.param_groups" in ckpt.objects:
         try:
-            tree = optimizer_tree(nesting, optim_state, _to_pickle(ckpt.objects.get("optim.param_groups", []), outs))
+            tree = optimizer_tree(nesting, optim_state, to_pickle(ckpt.objects.get("optim.param_groups", []), outs))
         except ValueError as exc:
             raise LayoutMismatchError(f"{ckpt.path}: cannot key the optimizer state by position: {exc}",
                                       hint="write it keyed by name: --layout portable") from None
@@ -591,11 +471,11 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, layout: str | None = 
         schema = key_of(key)
         if key == "extra" and isinstance(value, dict):
             for k, v in value.items():  # a torch.save source's own top-level keys go back to the top
-                place(root, (str(k),), _to_pickle(v, outs))
+                place(root, (str(k),), to_pickle(v, outs))
         elif listed is not None and schema is not None and schema.name == "optimizer.<i>":
-            place(root, (*listed, int(nesting.optim[-1]) + int(key.rpartition(".")[2])), _to_pickle(value, outs))
+            place(root, (*listed, int(nesting.optim[-1]) + int(key.rpartition(".")[2])), to_pickle(value, outs))
         else:
-            root[key] = _to_pickle(value, outs)
+            root[key] = to_pickle(value, outs)
     if ckpt.step is not None and nesting.portable:
         root.setdefault("step", ckpt.step)  # a source's own layout keeps its own step keys, and no other
     pickle_bytes = dumps(root)

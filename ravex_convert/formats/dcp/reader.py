@@ -9,7 +9,7 @@ restricted unpickler, never torch's.
 
 The state may be nested anywhere (``dcp.save({"app": AppState})`` puts the
 model at ``app.model.<fqn>``; torchtitan keeps ``model`` and a flattened
-``optimizer``): :func:`_classify` finds the model and the optimizer wherever
+``optimizer``): :func:`classify` finds the model and the optimizer wherever
 they sit and records where as a :class:`~ravex_convert._layout.StateLayout`, so
 writing DCP or torch_save back keeps the source's own structure.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._dtypes import DTYPE_SIZES
-from ..._layout import SOURCE_KEY, PathItem, StateLayout, layout_of, regroup, unflatten
+from ..._layout import SOURCE_KEY, PathItem, StateLayout, dotted, layout_of, regroup, unflatten
 from ..._limits import MAX_CHUNKS_PER_TENSOR_ENV, max_chunks_per_tensor
 from ..._paths import inside
 from ..._torchfile.archive import TorchArchive, open_archive, verify_many
@@ -38,7 +38,7 @@ from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexEr
 from ...info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ...model import MODEL, OBJ, OPTIM, Box, Checkpoint, Chunk, LogicalTensor, TensorLink, numel
 
-__all__ = ["METADATA", "DcpItem", "DcpMetadata", "DcpTensor", "describe", "read", "read_metadata", "sniff"]
+__all__ = ["METADATA", "DcpItem", "DcpMetadata", "DcpTensor", "Roles", "classify", "describe", "read", "read_metadata", "sniff"]
 
 METADATA = ".metadata"
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -310,7 +310,7 @@ def _check_files(root: Path, meta: DcpMetadata) -> list[FileInfo]:
 
 
 @dataclass
-class _Roles:
+class Roles:
     """What each key of the state is: a model tensor, optimizer state, a param
     group value, or other state (kept at its nesting)."""
 
@@ -335,7 +335,9 @@ def _flat_parts(entry: str, head: str, fqns: set[str]) -> tuple[str, str] | None
     return (fqn, name) if dot and fqn and name else None
 
 
-def _classify(meta: DcpMetadata) -> _Roles:
+def classify(meta: DcpMetadata) -> Roles:
+    """Where the model and the optimizer sit in a state's flattened keys (see the module's
+    docstring), and each key's role; the torch_save reader hands a nested file's tree here too."""
     paths: dict[str, tuple[PathItem, ...]] = {k: t.path for k, t in meta.tensors.items()} | meta.objects
     # optimizer candidates: prefix -> [state tensors, param group leaves, flattened form]
     cands: dict[tuple[tuple[PathItem, ...], bool], list[int]] = {}
@@ -356,7 +358,7 @@ def _classify(meta: DcpMetadata) -> _Roles:
     optim: tuple[tuple[PathItem, ...], bool] | None = None
     if found:
         optim = max(found, key=lambda c: (cands[c][0], bool(c[0]) and c[0][-1] in _OPTIM_KEYS, -len(c[0])))
-    roles = _Roles(StateLayout(), False, optim is not None)
+    roles = Roles(StateLayout(), False, optim is not None)
     optim_fqns: set[str] = set()
     if optim is not None:
         prefix, flat = optim
@@ -446,15 +448,11 @@ def describe(path: Path, reasons: list[str]) -> CheckpointInfo:
         info.optimizer = OptimizerInfo("Adam" if {"exp_avg", "exp_avg_sq"} <= set(states) else "unknown", states, None)
     layout = layout_of(ckpt.source)
     if seen.model_found and layout != StateLayout():
-        info.reasons.append(f"model state dict at '{_dotted(layout.model)}'" + (f", optimizer at '{_dotted(layout.optim)}'" if seen.optim_found else ""))
+        info.reasons.append(f"model state dict at '{dotted(layout.model)}'" + (f", optimizer at '{dotted(layout.optim)}'" if seen.optim_found else ""))
     info.notes = [*ckpt.notes, NO_PARAM_MARKS]
     info.extra["metadata_form"] = ckpt.source["metadata_form"]
     info.extra["state_layout"] = layout.describe()
     return info
-
-
-def _dotted(path: tuple[PathItem, ...]) -> str:
-    return ".".join(map(str, path)) or "(top level)"
 
 
 def _open_item(meta: DcpMetadata, key: str, offsets: tuple[int, ...]) -> TorchArchive:
@@ -462,7 +460,7 @@ def _open_item(meta: DcpMetadata, key: str, offsets: tuple[int, ...]) -> TorchAr
     return open_archive(meta.files[item.file], item.offset, item.length)
 
 
-def _read_step(meta: DcpMetadata, roles: _Roles) -> int | None:
+def _read_step(meta: DcpMetadata, roles: Roles) -> int | None:
     """The optimizer's step, read from the first parameter's ``step`` item."""
     for key, t in meta.tensors.items():
         if roles.names[key].startswith(OPTIM + "step/") and t.shape in ((), (1,)):
@@ -506,7 +504,7 @@ def _read(path: Path, *, shallow: bool = False) -> tuple[Checkpoint, _Seen]:
     result says what the checkpoint holds but is not for converting."""
     root = path.parent if path.is_file() else path
     meta = read_metadata(root)
-    roles = _classify(meta)
+    roles = classify(meta)
     files = _check_files(root, meta)
     ranks = {f.rank for f in files if f.rank is not None}
     world_size = max(ranks) + 1 if ranks else None

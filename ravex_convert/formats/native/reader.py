@@ -27,7 +27,7 @@ from ...recipes import KEY as RECIPES
 from ...storage import core_source
 from .check import FORMAT_VERSION, Checked, check_checkpoint, check_manifest, load_json, metadata_checksum
 
-__all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "describe", "read", "read_manifest", "resolve", "sniff", "verify_chunks"]
+__all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "Opened", "describe", "open_entry", "read", "read_manifest", "resolve", "sniff", "verify_chunks"]
 
 STORE_MARKER = "ravex-store.json"
 MANIFEST = "manifest.json"
@@ -80,7 +80,10 @@ def read_manifest(store: Path) -> dict[str, Any]:
 
 
 @dataclass
-class _Opened:
+class Opened:
+    """One checkpoint of a store (or copied out of one), opened and checked: what the reader and the store's
+    sweep read from it."""
+
     store: Path  # the store root (for a checkpoint copied out of its store: where it would be)
     ckpt_dir: Path
     variant: str  # "store" or "checkpoint"
@@ -159,14 +162,15 @@ def _check(store: Path, ckpt_dir: Path, doc: dict[str, Any], entry: dict[str, An
     return checked
 
 
-def _open_entry(store: Path, manifest: dict[str, Any], entry: dict[str, Any], variant: str) -> _Opened:
+def open_entry(store: Path, manifest: dict[str, Any], entry: dict[str, Any], variant: str) -> Opened:
+    """The checkpoint of manifest ``entry`` in ``store``, opened and checked as :func:`read` checks it."""
     notes: list[str] = []
     doc, ckpt_dir = _load_entry(store, entry, notes)
     checked = _check(store, ckpt_dir, doc, entry, copied_out=False)
-    return _Opened(store, ckpt_dir, variant, manifest, entry, doc, checked, notes)
+    return Opened(store, ckpt_dir, variant, manifest, entry, doc, checked, notes)
 
 
-def _open_store(store: Path, index: int) -> _Opened:
+def _open_store(store: Path, index: int) -> Opened:
     """Section 6: the entry ``index`` names (negative: counted from the newest complete one).
 
     Ravex never substitutes another checkpoint: when the one asked for (or, for
@@ -189,7 +193,7 @@ def _open_store(store: Path, index: int) -> _Opened:
             why = "no" if not found else f"status {found[0]['status']!r}, not a"
             raise RavexError(f"{store}: {why} complete checkpoint with index {index} (complete ones: {have})",
                              hint="run `ravex inspect` on the store to list them", path=store)
-        opened = _open_entry(store, manifest, found[0], "store")
+        opened = open_entry(store, manifest, found[0], "store")
     else:
         if -index > len(complete):
             raise RavexError(f"{store}: index {index} asked for, but the store holds {len(complete)} complete checkpoint(s)",
@@ -197,7 +201,7 @@ def _open_store(store: Path, index: int) -> _Opened:
         at = len(complete) + index
         for k in range(len(complete) - 1, at - 1, -1):  # every newer complete one, then the one asked for
             try:
-                opened = _open_entry(store, manifest, complete[k], "store")
+                opened = open_entry(store, manifest, complete[k], "store")
             except (CorruptCheckpointError, IncompleteCheckpointError) as exc:
                 raise _no_fallback(store, complete, k, exc) from None
     opened.notes[:0] = others
@@ -218,7 +222,7 @@ def _no_fallback(store: Path, complete: list[dict[str, Any]], k: int, exc: Ravex
                      hint=hint, path=exc.path)
 
 
-def _open(path: Path, index: int = -1) -> _Opened:
+def _open(path: Path, index: int = -1) -> Opened:
     p = path.parent if path.is_file() else path
     if (p / STORE_MARKER).is_file():
         return _open_store(p, index)
@@ -232,11 +236,11 @@ def _open(path: Path, index: int = -1) -> _Opened:
                 hint="open the store directory to get the newest complete checkpoint",
                 path=p,
             )
-        return _open_entry(store, manifest, listed[0], "checkpoint")
+        return open_entry(store, manifest, listed[0], "checkpoint")
     # A checkpoint copied out of its store: its own files sit beside checkpoint.json.
     doc = _load_json(inside(p, CHECKPOINT, "checkpoint metadata", p), "ravex-checkpoint")
     checked = _check(store, p, doc, None, copied_out=True)
-    return _Opened(store, p, "checkpoint", None, None, doc, checked)
+    return Opened(store, p, "checkpoint", None, None, doc, checked)
 
 
 def resolve(store: Path, index: int = -1) -> tuple[dict[str, Any], Path]:
@@ -265,7 +269,7 @@ def _display(name: str) -> str:
     return name
 
 
-def _read(path: Path, index: int = -1) -> tuple[Checkpoint, _Opened]:
+def _read(path: Path, index: int = -1) -> tuple[Checkpoint, Opened]:
     """The checkpoint, and the store it was opened in (its manifest and files: for describe)."""
     o = _open(path, index)
     p = path.parent if path.is_file() else path

@@ -347,7 +347,7 @@ def _load_entry(store: Path, manifest: dict[str, Any], entry: dict[str, Any]) ->
         out.problem = f"its status is {entry.get('status')!r}"
         return out
     try:
-        opened = native._open_entry(store, manifest, entry, "store")
+        opened = native.open_entry(store, manifest, entry, "store")
     except (CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError) as exc:
         out.problem = exc.message
         return out

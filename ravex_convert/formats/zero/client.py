@@ -27,6 +27,7 @@ from ..._layout import SOURCE_KEY
 from ..._torchfile.archive import TorchArchive
 from ...info import CheckpointInfo
 from ...model import OBJ, Checkpoint
+from ..small_state import read_objects
 
 __all__ = ["DS_KEYS", "LIGHTNING_MARK", "lightning_version", "read_client", "show_lightning"]
 
@@ -49,14 +50,14 @@ def read_client(ckpt: Checkpoint, archive: TorchArchive, ms: dict[str, Any], sha
     """The client state of rank 0's model-states file into ``ckpt.objects["extra"]``; its keys.
     Lightning's: also its layout (``state_dict``, ``optimizer_states``) as the source's, so a
     torch_save output is a Lightning ``.ckpt`` by default."""
-    from ..torch_save import LIGHTNING, _objects  # the walk the torch_save reader gives a Lightning .ckpt's keys
+    from ..torch_save import LIGHTNING
 
     keys = [str(k) for k in ms if k not in DS_KEYS]
     if not keys:
         return []
     extra: dict[str, Any] = ckpt.objects.setdefault("extra", {})
     for key in keys:
-        extra[key] = _objects(archive, ms[key], ckpt, f"{OBJ}{key}", shallow)
+        extra[key] = read_objects(archive, ms[key], ckpt, f"{OBJ}{key}", shallow)  # as torch_save reads a Lightning .ckpt's keys
     version = lightning_version(ms)
     if version is not None:
         ckpt.source["lightning"] = version

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..._dtypes import scalar_value
 from ..._engine import chunk_bytes
-from ..._output import FLOAT_DTYPES, Options, _strip
+from ..._output import FLOAT_DTYPES, Options, strip_name
 from ..._torchfile.archive import open_archive
 from ...errors import LayoutMismatchError, RavexError
 from ...model import BUFFER, MODEL, OPTIM, Checkpoint, LogicalTensor
@@ -256,7 +256,7 @@ def _classify(ckpt: Checkpoint, opts: Options, stage: int, trainable: set[str], 
     src_order, scripts = _zero_source(ckpt)
     if opts.strip_prefix:
         def strip(n: str) -> str:
-            return _strip(MODEL + n, opts.strip_prefix)[len(MODEL):]
+            return strip_name(MODEL + n, opts.strip_prefix)[len(MODEL):]
         src_order = [strip(n) for n in src_order]
     known: set[str] | None = None
     if buffers is not None:

@@ -1,45 +1,16 @@
 //! The S3 client of `ravex_convert._core` (`S3Bucket`, `S3Object`,
-//! `S3Upload`, `S3Error`): a thin pyo3 layer over [`crate::remote`]. Every
-//! call that waits on the network releases the GIL.
+//! `S3Upload`; `S3Error` is raised from `errors.rs`): a thin pyo3 layer over
+//! [`crate::remote`]. Every call that waits on the network releases the GIL.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::remote::{Bucket, Config, Kind, Meta, Mode, RemoteError, RemoteObject, Upload};
-
-pyo3::create_exception!(
-    ravex_convert._core,
-    S3Error,
-    PyOSError,
-    "A request to an S3-compatible store failed. `kind` is one of 'not_found', 'precondition', 'denied', 'no_bucket', 'unreachable', 'invalid', 'other'; `url` is the s3:// URL of the object or prefix. The message never holds credentials."
-);
-
-fn kind_name(k: &Kind) -> &'static str {
-    match k {
-        Kind::NotFound => "not_found",
-        Kind::Precondition => "precondition",
-        Kind::Denied => "denied",
-        Kind::NoBucket => "no_bucket",
-        Kind::Unreachable => "unreachable",
-        Kind::Invalid => "invalid",
-        Kind::Other => "other",
-    }
-}
-
-pub(crate) fn s3_err(e: &RemoteError) -> PyErr {
-    Python::attach(|py| {
-        let err = PyErr::new::<S3Error, _>(e.to_string());
-        let value = err.value(py);
-        let _ = value.setattr("kind", kind_name(&e.kind));
-        let _ = value.setattr("url", e.url.clone());
-        err
-    })
-}
+use super::errors::CoreError;
+use crate::remote::{Bucket, Config, Meta, Mode, RemoteObject, Upload};
 
 fn meta_tuple(m: Meta) -> (String, u64, String) {
     (m.key, m.size, m.etag)
@@ -73,12 +44,10 @@ impl S3Bucket {
         retry_timeout_s: f64,
         connect_timeout_s: f64,
         request_timeout_s: f64,
-    ) -> PyResult<Self> {
+    ) -> Result<Self, CoreError> {
         let secs = |s: f64, what: &str| {
             Duration::try_from_secs_f64(s).map_err(|_| {
-                pyo3::exceptions::PyValueError::new_err(format!(
-                    "{what} must be a number of seconds >= 0, got {s}"
-                ))
+                CoreError::Value(format!("{what} must be a number of seconds >= 0, got {s}"))
             })
         };
         let config = Config {
@@ -96,7 +65,7 @@ impl S3Bucket {
             connect_timeout: secs(connect_timeout_s, "connect_timeout_s")?,
             request_timeout: secs(request_timeout_s, "request_timeout_s")?,
         };
-        let inner = py.detach(|| Bucket::new(config)).map_err(|e| s3_err(&e))?;
+        let inner = py.detach(|| Bucket::new(config))?;
         Ok(S3Bucket { inner })
     }
 
@@ -111,15 +80,23 @@ impl S3Bucket {
     }
 
     /// `(key, size, etag)`, or None where no object has the key.
-    fn head(&self, py: Python<'_>, key: String) -> PyResult<Option<(String, u64, String)>> {
+    fn head(
+        &self,
+        py: Python<'_>,
+        key: String,
+    ) -> Result<Option<(String, u64, String)>, CoreError> {
         py.detach(|| self.inner.head(&key))
             .map(|m| m.map(meta_tuple))
-            .map_err(|e| s3_err(&e))
+            .map_err(CoreError::from)
     }
 
     /// `(bytes, etag)` of a whole object.
-    fn get<'py>(&self, py: Python<'py>, key: String) -> PyResult<(Bound<'py, PyBytes>, String)> {
-        let (data, etag) = py.detach(|| self.inner.get(&key)).map_err(|e| s3_err(&e))?;
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        key: String,
+    ) -> Result<(Bound<'py, PyBytes>, String), CoreError> {
+        let (data, etag) = py.detach(|| self.inner.get(&key))?;
         Ok((PyBytes::new(py, &data), etag))
     }
 
@@ -129,18 +106,18 @@ impl S3Bucket {
         key: String,
         offset: u64,
         length: u64,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        let data = py
-            .detach(|| self.inner.get_range(&key, offset, length))
-            .map_err(|e| s3_err(&e))?;
+    ) -> Result<Bound<'py, PyBytes>, CoreError> {
+        let data = py.detach(|| self.inner.get_range(&key, offset, length))?;
         Ok(PyBytes::new(py, &data))
     }
 
     /// Every object under `prefix`: `(key, size, etag)`, sorted by key.
-    fn list(&self, py: Python<'_>, prefix: String) -> PyResult<Vec<(String, u64, String)>> {
-        let mut all = py
-            .detach(|| self.inner.list(&prefix))
-            .map_err(|e| s3_err(&e))?;
+    fn list(
+        &self,
+        py: Python<'_>,
+        prefix: String,
+    ) -> Result<Vec<(String, u64, String)>, CoreError> {
+        let mut all = py.detach(|| self.inner.list(&prefix))?;
         all.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(all.into_iter().map(meta_tuple).collect())
     }
@@ -151,10 +128,8 @@ impl S3Bucket {
         &self,
         py: Python<'_>,
         prefix: String,
-    ) -> PyResult<(Vec<(String, u64, String)>, Vec<String>)> {
-        let (objects, prefixes) = py
-            .detach(|| self.inner.list_dir(&prefix))
-            .map_err(|e| s3_err(&e))?;
+    ) -> Result<(Vec<(String, u64, String)>, Vec<String>), CoreError> {
+        let (objects, prefixes) = py.detach(|| self.inner.list_dir(&prefix))?;
         Ok((objects.into_iter().map(meta_tuple).collect(), prefixes))
     }
 
@@ -168,31 +143,31 @@ impl S3Bucket {
         data: Vec<u8>,
         mode: &str,
         etag: Option<String>,
-    ) -> PyResult<String> {
+    ) -> Result<String, CoreError> {
         let mode = match (mode, etag) {
             ("overwrite", None) => Mode::Overwrite,
             ("create", None) => Mode::Create,
             ("replace", Some(e)) => Mode::Replace(e),
             (m, e) => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                return Err(CoreError::Value(format!(
                 "mode {m:?} with etag {:?}: use 'overwrite', 'create', or 'replace' with an etag",
                 e.is_some()
             )))
             }
         };
         py.detach(|| self.inner.put(&key, Bytes::from(data), mode))
-            .map_err(|e| s3_err(&e))
+            .map_err(CoreError::from)
     }
 
-    fn delete(&self, py: Python<'_>, key: String) -> PyResult<()> {
+    fn delete(&self, py: Python<'_>, key: String) -> Result<(), CoreError> {
         py.detach(|| self.inner.delete(&key))
-            .map_err(|e| s3_err(&e))
+            .map_err(CoreError::from)
     }
 
     /// Deletes `key` only while its ETag is `etag`; False where it is gone already.
-    fn delete_if(&self, py: Python<'_>, key: String, etag: String) -> PyResult<bool> {
+    fn delete_if(&self, py: Python<'_>, key: String, etag: String) -> Result<bool, CoreError> {
         py.detach(|| self.inner.delete_if(&key, &etag))
-            .map_err(|e| s3_err(&e))
+            .map_err(CoreError::from)
     }
 
     /// Unfinished multipart uploads under `prefix`: `(key, upload_id, initiated)`.
@@ -200,14 +175,19 @@ impl S3Bucket {
         &self,
         py: Python<'_>,
         prefix: String,
-    ) -> PyResult<Vec<(String, String, String)>> {
+    ) -> Result<Vec<(String, String, String)>, CoreError> {
         py.detach(|| self.inner.unfinished(&prefix))
-            .map_err(|e| s3_err(&e))
+            .map_err(CoreError::from)
     }
 
-    fn abort_upload(&self, py: Python<'_>, key: String, upload_id: String) -> PyResult<()> {
+    fn abort_upload(
+        &self,
+        py: Python<'_>,
+        key: String,
+        upload_id: String,
+    ) -> Result<(), CoreError> {
         py.detach(|| self.inner.abort_upload(&key, &upload_id))
-            .map_err(|e| s3_err(&e))
+            .map_err(CoreError::from)
     }
 
     /// A source for the executor: object `key`, `size` bytes long (as listed).
@@ -219,10 +199,8 @@ impl S3Bucket {
 
     /// A new object of `size` bytes, written by range (`pwrite`, or as an
     /// executor target) and uploaded in parts as they fill.
-    fn upload(&self, py: Python<'_>, key: String, size: u64) -> PyResult<S3Upload> {
-        let up = py
-            .detach(|| Upload::new(self.inner.clone(), &key, size))
-            .map_err(|e| s3_err(&e))?;
+    fn upload(&self, py: Python<'_>, key: String, size: u64) -> Result<S3Upload, CoreError> {
+        let up = py.detach(|| Upload::new(self.inner.clone(), &key, size))?;
         Ok(S3Upload { inner: up })
     }
 }
@@ -249,10 +227,9 @@ impl S3Object {
         py: Python<'py>,
         offset: u64,
         length: u64,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+    ) -> Result<Bound<'py, PyBytes>, CoreError> {
         let mut buf = vec![0u8; length as usize];
-        py.detach(|| crate::files::ReadAt::read_exact_at(&*self.inner, &mut buf, offset))
-            .map_err(|e| PyOSError::new_err(e.to_string()))?;
+        py.detach(|| crate::files::ReadAt::read_exact_at(&*self.inner, &mut buf, offset))?;
         Ok(PyBytes::new(py, &buf))
     }
 }
@@ -289,14 +266,14 @@ impl S3Upload {
         self.inner.plan().size as usize
     }
 
-    fn pwrite(&self, py: Python<'_>, data: Vec<u8>, offset: u64) -> PyResult<()> {
+    fn pwrite(&self, py: Python<'_>, data: Vec<u8>, offset: u64) -> Result<(), CoreError> {
         py.detach(|| self.inner.write(&data, offset))
-            .map_err(|e| s3_err(&e))
+            .map_err(CoreError::from)
     }
 
     /// Completes the object and returns its ETag (aborts it on failure).
-    fn close(&self, py: Python<'_>) -> PyResult<String> {
-        py.detach(|| self.inner.close()).map_err(|e| s3_err(&e))
+    fn close(&self, py: Python<'_>) -> Result<String, CoreError> {
+        py.detach(|| self.inner.close()).map_err(CoreError::from)
     }
 
     /// Discards the upload; `cleanup=False` leaves it for the next writer to abort (a server that
@@ -308,17 +285,8 @@ impl S3Upload {
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let ty = m.py().get_type::<S3Error>();
-    ty.setattr("kind", "other")?;
-    ty.setattr("url", m.py().None())?;
-    m.add("S3Error", ty)?;
     m.add_class::<S3Bucket>()?;
     m.add_class::<S3Object>()?;
     m.add_class::<S3Upload>()?;
     Ok(())
-}
-
-/// The remote error inside an executor's I/O error, if it holds one.
-pub(crate) fn inner_remote(e: &std::io::Error) -> Option<&RemoteError> {
-    e.get_ref().and_then(|x| x.downcast_ref::<RemoteError>())
 }
