@@ -114,8 +114,10 @@ def text_of(dones: list[Done]) -> str:
 
 
 # (mode, machines, replicate_every, the machine wiped)
+# DDP on 3 ranks keeps one gradient-bucket layout with find_unused_parameters (docs/runtime.md).
 CASES = {
-    "ddp-gather-2machines-wipe-a": ("ddp", 2, 2, 0),
+    "ddp-2machines-wipe-a": ("ddp", 2, 2, 0),
+    "ddp-3machines-wipe-a": ("ddp-fu", 3, 2, 0),
 }
 
 

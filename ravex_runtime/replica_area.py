@@ -7,7 +7,8 @@ Beside a store ``<dir>/<name>`` its machine keeps ``<dir>/<name>.replicas/``:
   manifest entries of the originals, byte for byte;
 - ``copies.json``: where the copies of *this* machine's store went (written by the rank that
   sends them): for each holder, the checkpoint copied last, when its replica committed, how
-  many bytes went and how long it took. ``ravex status`` shows both.
+  many bytes went and how long it took (and the last 50 copies, for measuring). ``ravex status``
+  shows both.
 
 A checkpoint is added to a store here (a replica, or the store of a rank that lost its own at a
 resume) with the store's own protocol (docs/format.md section 3): data into
@@ -36,6 +37,7 @@ __all__ = ["AREA_SUFFIX", "COPIES", "Ingest", "area_of", "checkpoint_files", "he
 
 AREA_SUFFIX = ".replicas"
 COPIES = "copies.json"
+_HISTORY = 50  # copies.json keeps the last copies this many (bytes and seconds of each: what the cost is measured from)
 
 
 def area_of(store: Path) -> Path:
@@ -209,21 +211,26 @@ def record_copy(store: Path, copy: dict[str, Any]) -> None:
     area = area_of(store)
     try:
         area.mkdir(exist_ok=True)
-        doc = read_copies(store)
-        doc = [c for c in doc if c.get("holder_rank") != copy.get("holder_rank")] + [copy]
+        doc = [c for c in read_copies(store) if c.get("holder_rank") != copy.get("holder_rank")] + [copy]
+        history = (_read(store).get("history") or [])[-(_HISTORY - 1):] + [copy]
         tmp = area / f"{COPIES}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps({"format": "ravex-replica-copies", "copies": doc}, indent=1) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps({"format": "ravex-replica-copies", "copies": doc, "history": history}, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, area / COPIES)
     except OSError:
         pass
 
 
-def read_copies(store: Path) -> list[dict[str, Any]]:
+def _read(store: Path) -> dict[str, Any]:
     try:
         doc = json.loads((area_of(store) / COPIES).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return []
-    copies = doc.get("copies") if isinstance(doc, dict) else None
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def read_copies(store: Path, history: bool = False) -> list[dict[str, Any]]:
+    """The newest copy on each holder (``history``: the last copies committed, oldest first, for the cost's measure)."""
+    copies = _read(store).get("history" if history else "copies")
     return [c for c in copies if isinstance(c, dict)] if isinstance(copies, list) else []
 
 

@@ -122,6 +122,7 @@ def test_status_says_where_the_copies_are_and_how_old(tmp_path: Path) -> None:
     record_copy(store, {"holder_rank": 1, "holder_host": "node-b", "path": "/b/x", "index": 2, "step": 3, "committed_unix": 1010.0,
                         "bytes_sent": 10, "seconds": 0.5})
     assert [c["index"] for c in read_copies(store)] == [2]  # one record per holder: the newest
+    assert [c["index"] for c in read_copies(store, history=True)] == [1, 2]  # and the last copies, for the cost's measure
     copy(store, replica_of(store, 3), entries[0])  # a replica this machine holds for rank 3
     st = status(store, now=1070.0)
     assert st is not None and st["area"] == str(area_of(store))
