@@ -2,7 +2,8 @@
 
 One script for every case: its options come as JSON in argv[1], Ravex's own settings
 from ``RAVEX_*``, the kill switches from the environment. Its files go to the working
-directory:
+directory (or to ``opts["outdir"]``: simulated machines, whose working directories are
+their disks, write there):
 
 - ``log-<tag>-rank<r>.txt``, one line per optimizer step, appended across restarts:
   ``<step> <loss as float.hex()> <the batch's sample indices> <the sampler's epoch>
@@ -30,6 +31,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -94,6 +96,8 @@ def digest(weights: dict[str, torch.Tensor]) -> str:
 @ravex.train_loop(preemption_handler=True)
 def train(opts: dict[str, Any]) -> None:
     tag = opts["tag"]
+    # (a directory that outlives a wiped machine)
+    out = Path(opts.get("outdir", "."))
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a hang ends in a minute, not half an hour
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -148,7 +152,7 @@ def train(opts: dict[str, Any]) -> None:
                 steps += 1
                 s = ravex.step() if ravex.is_active() else steps
                 if steps == 1 and ravex.is_active() and ravex.status().get("resumed_bytes_read") is not None:
-                    with open(f"resumed-{tag}-rank{rank}.json", "w") as f:  # what this rank read of the checkpoint it resumed from
+                    with open(out / f"resumed-{tag}-rank{rank}.json", "w") as f:  # what this rank read of the checkpoint it resumed from
                         json.dump(ravex.status(), f)
                 log.write(f"{s} {loss.item().hex()} {','.join(str(i) for i in idx.tolist())} {sampler.epoch} {before}\n")
                 log.flush()
@@ -164,7 +168,7 @@ def train(opts: dict[str, Any]) -> None:
 
     ended = False
     try:
-        with open(f"log-{tag}-rank{rank}.txt", "a") as log:
+        with open(out / f"log-{tag}-rank{rank}.txt", "a") as log:
             epochs(log)
         ended = True
     except SystemExit as exc:  # Ravex's exit after a SIGTERM's checkpoint
@@ -179,8 +183,8 @@ def train(opts: dict[str, Any]) -> None:
             if rank == 0:
                 from safetensors.torch import save_file
 
-                save_file(weights, f"weights-{tag}.safetensors")
-                with open(f"out-{tag}.json", "w") as f:
+                save_file(weights, out / f"weights-{tag}.safetensors")
+                with open(out / f"out-{tag}.json", "w") as f:
                     json.dump({"weights": digest(weights), "step": ravex.step() if ravex.is_active() else steps, "world_size": ws}, f)
 
 

@@ -471,6 +471,26 @@ def _ranks_line(index: Any, r: dict[str, Any]) -> str:
     return f"checkpoint {index}: {r.get('world_size')} ranks ({r.get('wrap')}, {r.get('mode')}{mesh}); {who}{shared}"
 
 
+def _replicas_lines(rep: dict[str, Any] | None) -> None:
+    """``ravex status``: where the store's copies are (replicate_every) and how old, and the replicas kept here."""
+    if not rep:
+        return
+
+    def age(s: Any) -> str:
+        if not isinstance(s, (int, float)):
+            return "age unknown"
+        return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+    for c in rep.get("copies", []):
+        behind = c.get("behind")
+        newer = "" if behind is None else (", the newest" if behind == 0 else f", {behind} checkpoint(s) behind the store")
+        _say(f"replica: checkpoint {c.get('index')} (step {c.get('step')}) on rank {c.get('holder_rank')} ({c.get('holder_host')}) "
+             f"at {c.get('path')}, committed {age(c.get('age_s'))}{newer}")
+    for h in rep.get("held", []):
+        what = f"checkpoint {h.get('index')} (step {h.get('step')}), written {age(h.get('age_s'))}" if h.get("index") is not None else "no checkpoint"
+        _say(f"held here: the replica of rank {h.get('rank')}'s store at {h.get('path')}: {what}")
+
+
 @main.command("status")
 @click.argument("path", required=False, type=click.Path(path_type=str, readable=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts (keys: store, checkpoints, resume).")
@@ -514,6 +534,7 @@ def status_cmd(path: str | None, as_json: bool) -> None:
         step = f" (step {b['step']})" if b.get("step") is not None else ""
         _say(f"checkpoint {init['index']}: the run's model began from the weights of the {b.get('format')} checkpoint {b.get('path')}{step} "
              "(init_from)")
+    _replicas_lines(st.get("replicas"))
     resume = st["resume"]
     _say("resume would pick: " + (f"checkpoint {resume}" if resume is not None else "nothing (a run starts from the beginning)"))
     left = st.get("unfinished_uploads")

@@ -39,6 +39,8 @@ class Config:
     fresh: bool = False
     log_file: Path | None = None
     sharded_checkpoints: str = "gather"
+    # every N-th checkpoint copied to a rank on another machine (no shared storage; replica.py)
+    replicate_every: int | None = None
     source: str = "defaults"  # the file the configuration came from, for messages
     # storage.type s3 / r2 spelled out (storage.path s3://bucket/prefix says the same)
     storage_bucket: str | None = None
@@ -73,8 +75,9 @@ _KEYS: dict[str, str] = {
     "fresh": "bool",
     "log_file": "path?",
     "sharded_checkpoints": "sharded_checkpoints",
+    "replicate_every": "int+?",
 }
-_LATER = {"replicate_every"}
+_LATER: set[str] = set()
 _CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "storage_type": ("local", "objdir", "s3", "r2"),
             "sharded_checkpoints": ("gather", "per_rank")}
 _BUCKETS = ("s3", "r2")
@@ -252,6 +255,11 @@ def load_config(cwd: Path | None = None, environ: dict[str, str] | None = None) 
                               hint=f"known: {', '.join(sorted([*_ENV, *_ENV_OTHER]))}; unset it")
         _apply(cfg, {_ENV[var]: environ[var]}, f"environment variable {var}", cwd, env=True)
     _bucket_location(cfg)
+    if cfg.replicate_every is not None and (cfg.storage_type != "local" or cfg.backend != "native"):
+        raise ConfigError(f"{cfg.source}: replicate_every copies a native store on each machine's own disk; this run has "
+                          f"storage.type {cfg.storage_type}, backend {cfg.backend} (with the environment's RAVEX_*)",
+                          hint="object storage is already reachable from every machine: remove replicate_every; "
+                               "or use storage.type: local with backend: native")
     if cfg.init_from is not None and cfg.resume_from is not None:
         raise ConfigError(f"{cfg.source}: both resume_from and init_from are set (with the environment's RAVEX_*)",
                           hint="resume_from continues a run (its optimizer, schedulers, step and data position); init_from starts a new one "

@@ -79,8 +79,10 @@ class RankCapture:
             blind = [r for r, ok in enumerate(seen) if not ok]
             log.warning("ravex: storage: %s is not shared: rank(s) %s do not see the directory rank 0 writes to (local disks on several "
                         "machines). Rank 0 writes every checkpoint there; to resume, start rank 0 on this machine again, and the other ranks "
-                        "receive the state from it over the network. A lost machine loses its checkpoints: put storage.path on storage every "
-                        "rank sees (a shared filesystem) to resume anywhere", path, ", ".join(map(str, blind)))
+                        "receive the state from it over the network. %s", path, ", ".join(map(str, blind)),
+                        "replicate_every copies its checkpoints to another machine (below)" if self.config.replicate_every else
+                        "A lost machine loses its checkpoints: put storage.path on storage every rank sees (a shared filesystem) to resume "
+                        "anywhere, or set replicate_every")
         coord.watch()
 
     def capture(self, t: Tracked, step: int, spare: dict[str, torch.Tensor], extra: dict[str, Any], *, ddp: bool = False,

@@ -42,6 +42,8 @@ from .foreign import ORIGIN_KEY
 from .lease import StoreLock
 from .ranks import RankCapture
 from .recipe import Recorder
+from .replica import Replicator
+from .replica import start as start_replica
 from .restoring import restore_into
 from .resume import Resume
 from .state import Snapshot, Tracked, capture, links, unflatten
@@ -116,6 +118,8 @@ class Session:
         topo = topology()
         self._job = Job(run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8], topo.rank, topo.world_size)
         self._ranks: RankCapture | None = None  # the other ranks, once joined (join())
+        self._replica: Replicator | None = None  # replicate_every: copies of the store on another machine (join())
+        self._fetched = False  # the newest checkpoint anywhere was looked for (restore())
         self._left = False  # the job's process group is gone (leave())
         self._objects = o = Registry()
         # What the decorator's patches call as objects are built (weak references, idempotent): the
@@ -193,12 +197,25 @@ class Session:
         if self._ranks is None and self.world_size > 1 and not (self._closed or self._left) and initialized():
             self._ranks = RankCapture(Coord(), self.config, self._job)  # joined from here on, even should the probe fail
             self._ranks.join(self.dst, self.path)
+            self._replica = start_replica(self._ranks.coord, self.config.replicate_every, self.config.keep_last, self.path, self.run_id,
+                                          self._ranks.shared)
+            if self._replica is not None:
+                self._writer.after_write = self._replica.after_write
         return self._ranks is not None
+
+    def _end_replica(self) -> None:
+        """The copies end (before the process group): the writes in flight first, and their copies."""
+        if self._replica is not None:
+            self._writer.drain()
+            self._replica.close()
+            self._writer.after_write = None
+            self._replica = None
 
     def leave(self) -> None:
         """The job's process group is going away: no more messages between the ranks (this rank
         writes nothing more that needs them)."""
         if self._ranks is not None:
+            self._end_replica()
             self._ranks.coord.close()
             self._ranks = None
             self._left = True
@@ -210,6 +227,7 @@ class Session:
             return
         self._writer.drain()
         self._closed = True
+        self._end_replica()
         if self.coord is not None:
             self.coord.close()
         self._writer.close()
@@ -281,6 +299,8 @@ class Session:
                              hint="session.track(model=model, optimizer=optimizer, ...) first")
         spare = self._writer.take_spare()
         ranks = self._ranks if self.join() else None
+        if self._replica is not None:
+            self._replica.begin()
         # in every checkpoint: the run's id (rank 0's, once joined), and where the run began if another program wrote that
         extra: dict[str, Any] = {"ravex_run_id": self.run_id}
         if self._resume.origin is not None:
@@ -360,6 +380,12 @@ class Session:
         self._prepared = False
         if self.join():
             assert self._ranks is not None
+            if self._replica is not None and not self._fetched:
+                # replicate_every: the newest checkpoint that survived anywhere reaches this store first
+                self._fetched = True
+                if index is None and not self.config.fresh and self.config.resume_from is None and self._replica.fetch():
+                    self._resume.pending = self._resume.find(None)
+                self._replica.begin()
             return self._resume.restore_agreed(self.tracked(), self._ranks.coord, self.config.resume_from, shared=self._ranks.shared)
         if self.world_size > 1:
             return self._resume.restore(self.tracked(), rank=self.rank)

@@ -75,7 +75,9 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
     (logical), bytes_on_disk (files in its own directory), created_unix, complete, problem, run_id, ranks: who wrote it in a
     run on many ranks, else None; began_from: the other program's checkpoint the run began from, else None;
     initialised_from: the checkpoint whose weights the run's model began from, else None) and
-    ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint)."""
+    ``resume`` (the index a resume would pick, None when the store holds no complete checkpoint), and for
+    a local store ``replicas`` (replica_area.status: its copies on other machines, the replicas kept
+    beside it; None when there are none)."""
     from ravex_convert._paths import inside
     from ravex_convert.formats.native.reader import CHECKPOINT, MANIFEST, STORE_MARKER, read_manifest
     from ravex_convert.objects import INITIALISED_FROM
@@ -105,8 +107,13 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
         if problem is None:
             resume = e.get("index")
     cfg = find_config_file()
-    out = {"store": str(store), "config": str(cfg) if cfg else None, "checkpoints": rows, "resume": resume,
+    out: dict[str, Any] = {"store": str(store), "config": str(cfg) if cfg else None, "checkpoints": rows, "resume": resume,
            "note": "a resume verifies checksums and falls back to the previous checkpoint when the newest is damaged"}
+    if not is_remote(store):
+        from .replica_area import status as replica_status
+
+        # replicate_every: where this store's copies are (and how old), and the replicas this machine holds
+        out["replicas"] = replica_status(store)
     if is_remote(store):
         # multipart uploads a killed writer left (invisible, billed, aborted by the next write to the store)
         storage, key = resolve(str(store))

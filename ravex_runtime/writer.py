@@ -97,6 +97,8 @@ class Writer:
         self.writes = 0
         self._guard = guard
         self._on_error = on_error
+        # called on this thread with each checkpoint's index once it is committed and pruned (replica.py)
+        self.after_write: Callable[[int], None] | None = None
         self._warned_prune = False
         self._queue: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
         self._spare: dict[str, torch.Tensor] = {}
@@ -189,6 +191,8 @@ class Writer:
             if self.config.keep_last is not None and self._may_prune():
                 pinned = {self.resume.index} if self.resume.index is not None else set()
                 native_write.prune(self.dst, self.config.keep_last, pinned=pinned)
+        if self.after_write is not None:
+            self.after_write(self.last_index)
 
     def _group(self, snap: Snapshot) -> StoreGroup:
         """The messages of the ranks' writers for this per_rank checkpoint, named by its step: a rank

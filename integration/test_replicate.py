@@ -1,0 +1,184 @@
+"""``replicate_every`` on simulated machines: a job that loses a machine's disk resumes from the copy.
+
+Each "machine" is a torchrun agent (``--nnodes M``, its own ``--node_rank``, rendezvous on
+127.0.0.1) in a UTS namespace of its own (``unshare -u``: its own hostname), with a working
+directory of its own that holds its ``storage.path`` (its local disk). The training script is
+integration/dist_train.py; its logs go to a directory outside the machines, so that wiping one
+keeps them. A whole job is killed by SIGKILL of every agent and every process each started
+(torchrun starts its workers in sessions of their own), and the tests check that the first run
+really stopped before its end. "Bit-identical" is test_dist_runtime.py's: every rank's logged
+losses, batches and weight hashes equal those of the uninterrupted run of the same job on one
+machine, and so do the final weights. Needs root (``unshare``), as CI has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_dist_runtime import (
+    MAX_STEPS,
+    MODES,
+    SCRIPT,
+    SHUTDOWN_S,
+    Done,
+    Job,
+    _job_env,
+    assert_checkpoints_hold_their_steps,
+    assert_like_reference,
+    checkpoints,
+    finish,
+    free_port,
+    kill_all,
+    ok,
+    read_log,
+    reference,  # noqa: F401 - the fixture, taken by name below
+    seen,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed,
+              pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="simulated machines need root and unshare")]
+
+STORE = "ravex_checkpoints"  # storage.path, relative: on each machine's own disk
+TIMEOUT = 120.0
+
+
+def machines(tmp: Path, n: int) -> list[Path]:
+    out = []
+    for i in range(n):
+        d = tmp / f"machine-{chr(ord('a') + i)}"
+        d.mkdir(exist_ok=True)
+        out.append(d)
+    return out
+
+
+def launch_machines(tmp: Path, dirs: list[Path], mode: str, opts: dict[str, Any], env: dict[str, Any]) -> list[Job]:
+    """One torchrun agent per machine, one rank each: machine i holds rank i."""
+    logs = tmp / "logs"
+    logs.mkdir(exist_ok=True)
+    port = free_port()
+    jobs = []
+    for i, d in enumerate(dirs):
+        o, full, what = _job_env(d, "run", 1, {**MODES[mode], **opts, "outdir": str(logs)}, env, d / STORE)
+        full["RAVEX_STORAGE_PATH"] = STORE  # relative: each machine's own directory
+        torchrun = [sys.executable, "-P", "-m", "torch.distributed.run", "--nnodes", str(len(dirs)), "--node_rank", str(i),
+                    "--master_addr", "127.0.0.1", "--master_port", str(port), "--nproc_per_node", "1", "--log-dir", str(d.parent / f"torchrun-{d.name}-{time.monotonic_ns()}"),
+                    "--redirects", "3", "--shutdown-timeout", str(SHUTDOWN_S), str(SCRIPT), json.dumps({**o, "tag": "run"})]
+        host = f"node-{chr(ord('a') + i)}"
+        cmd = ["unshare", "-u", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *torchrun]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full, cwd=d, start_new_session=True)
+        jobs.append(Job(p, Path(torchrun[torchrun.index("--log-dir") + 1]), f"machine {host}: torchrun {what}"))
+    return jobs
+
+
+def complete(store: Path) -> list[dict[str, Any]]:
+    try:
+        return checkpoints(store)
+    except (OSError, ValueError):
+        return []
+
+
+def wait_until(jobs: list[Job], what: str, cond: Any) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if any(j.p.poll() is not None for j in jobs):
+            break
+        time.sleep(0.02)
+    for j in jobs:
+        kill_all(j)
+    dones = [finish(j) for j in jobs]
+    pytest.fail(f"never: {what}\n" + "\n".join(d.report() for d in dones))
+
+
+def status_json(store: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAVEX_")}
+    res = subprocess.run([sys.executable, "-P", "-m", "ravex", "status", str(store), "--json"], capture_output=True, text=True, env=env,
+                         timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    return dict(json.loads(res.stdout))
+
+
+def text_of(dones: list[Done]) -> str:
+    return "\n".join(d.report() for d in dones)
+
+
+# (mode, machines, replicate_every, the machine wiped)
+# DDP on 3 ranks keeps one gradient-bucket layout with find_unused_parameters (docs/runtime.md).
+CASES = {
+    "ddp-2machines-wipe-a": ("ddp", 2, 2, 0),
+    "ddp-3machines-wipe-a": ("ddp-fu", 3, 2, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_machine_lost_and_replaced_resumes_from_its_replica(case: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Checkpoints every 3 steps, every ``replicate_every``-th copied to the next machine. The job is
+    killed whole after the copy of step 6 committed, the wiped machine's disk is emptied (a
+    replacement machine), and the same command runs again on every machine: the rank whose store is
+    gone receives the newest replica before the restore, and every rank goes on bit-identically
+    from it (not from step 0)."""
+    mode, n, every, wiped = CASES[case]
+    ref = request.getfixturevalue("reference")(n, mode)
+    dirs = machines(tmp_path, n)
+    logs = tmp_path / "logs"
+    env = {"RAVEX_REPLICATE_EVERY": every}
+    opts = {"sleep": 0.15}  # slow steps: the kill lands mid-run, after a copy committed (sleeping changes nothing logged)
+    jobs = launch_machines(tmp_path, dirs, mode, opts, env)
+    replica = dirs[1] / f"{STORE}.replicas" / "rank00000"  # rank 0's store, copied to machine b (rank 1)
+    copies = dirs[0] / f"{STORE}.replicas" / "copies.json"  # machine a's note of where its copies are (after the holder's answer)
+    wait_until(jobs, "a replica committed on machine b, and machine a told", lambda: bool(complete(replica)) and copies.is_file())
+    kill_all_jobs(jobs)
+    dones = [finish(j) for j in jobs]
+    assert all(d.rc != 0 for d in dones), text_of(dones)
+    reached = max(ln.step for ln in read_log(logs, "run", 0))
+    assert reached < MAX_STEPS, f"the first run was not interrupted (it reached step {reached})\n{text_of(dones)}"
+    held = complete(replica)
+    assert [c["index"] % every for c in held] == [every - 1] * len(held), held  # every N-th checkpoint, no other
+    copied = held[-1]
+    own = complete(dirs[0] / STORE)
+    assert own and own[-1]["index"] >= copied["index"], own
+    # the copy is the original, byte for byte (unless keep_last pruned that by now), and holds the weights of its step
+    if copied in own:
+        for f in (dirs[0] / STORE / copied["dir"]).iterdir():
+            assert (replica / copied["dir"] / f.name).read_bytes() == f.read_bytes(), f.name
+    assert_checkpoints_hold_their_steps(replica, ref)
+    st = status_json(dirs[0] / STORE)
+    where = st["replicas"]["copies"]
+    assert [(c["holder_rank"], c["holder_host"], c["index"]) for c in where] == [(1, "node-b", copied["index"])], st["replicas"]
+    assert where[0]["path"] == str(replica.resolve()) and where[0]["age_s"] >= 0 and where[0]["bytes_sent"] > 0, where
+
+    # the machine is replaced: its disk comes back empty
+    shutil.rmtree(dirs[wiped])
+    dirs[wiped].mkdir()
+    before = seen(logs, "run", n)
+    dones = [ok(finish(j)) for j in launch_machines(tmp_path, dirs, mode, opts, env)]
+    rank0 = dones[0].ranks.get(0, "")
+    step = int(copied["step"])
+    assert f"checkpoint {copied['index']} (step {step}) received from rank 1" in rank0, text_of(dones)
+    assert "resuming from checkpoint" in rank0, text_of(dones)
+    for r in range(n):
+        new = read_log(logs, "run", r)[before[r]:]
+        assert new and new[0].step == step + 1, f"rank {r} resumed at step {new[0].step if new else None}, the replica is at step {step}"
+    assert_like_reference(logs, "run", ref)
+    # the store goes on from the copy's index; its next copies went to machine b again
+    after = complete(dirs[0] / STORE)
+    assert after[0]["index"] >= copied["index"] and int(after[-1]["step"]) == MAX_STEPS, after
+    assert_checkpoints_hold_their_steps(dirs[0] / STORE, ref)
+    assert complete(replica)[-1]["index"] > copied["index"], complete(replica)
+
+
+def kill_all_jobs(jobs: list[Job]) -> None:
+    """Every machine at once: each agent and every process it started."""
+    for j in jobs:
+        kill_all(j)
