@@ -187,7 +187,7 @@ class Ingest:
             fsync_dir(d)
         fsync_dir(final.parent)
         try:
-            opened = native._open_entry(self.store, self.manifest, self.entry, "store")
+            opened = native.open_entry(self.store, self.manifest, self.entry, "store")
             ckpt = Checkpoint("native", self.store, step=opened.doc.get("step"))
             ckpt.source = {"index": self.index}
             for t in opened.checked.tensors.values():
