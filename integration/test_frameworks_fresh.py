@@ -33,6 +33,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _zygote import base_env  # integration/ is no package
+from test_dist_runtime import _descendants
 from test_frameworks_dist import (
     CKPT,
     EVERY,
@@ -58,19 +59,6 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            try:
-                kids = [int(c) for c in children.read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
 def torchrun(tmp: Path, opts: dict[str, Any], tag: str, env_extra: dict[str, str]) -> subprocess.Popen[str]:
     env = {**base_env(), "RAVEX_STORAGE_PATH": str(tmp / f"store-{tag}"), "RAVEX_CHECKPOINT_EVERY": str(EVERY), **env_extra}
     if opts["framework"] == "accelerate":
@@ -85,7 +73,7 @@ def finish(p: subprocess.Popen[str]) -> tuple[int, str]:
     try:
         out, _ = p.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        for pid in [p.pid, *_tree(p.pid)]:
+        for pid in [p.pid, *_descendants(p.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

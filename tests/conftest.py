@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -207,3 +208,15 @@ def storage_backend(request: pytest.FixtureRequest) -> Iterator[str]:
         else:
             mp.setenv("RAVEX_STORAGE", request.param)
         yield str(request.param)
+
+
+@contextlib.contextmanager
+def said(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Ravex's log lines into ``caplog`` (the ravex logger does not propagate while a run is on)."""
+    logger = logging.getLogger("ravex")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ravex"):
+            yield
+    finally:
+        logger.removeHandler(caplog.handler)

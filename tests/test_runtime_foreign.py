@@ -6,16 +6,13 @@ stopping the run before its first step with the live objects untouched.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import DATA, FIXTURES
+from conftest import DATA, FIXTURES, said
 
 import ravex
 from ravex_convert.errors import RavexError
@@ -25,18 +22,6 @@ _spec = importlib.util.spec_from_file_location("ravex_fixture_model", FIXTURES /
 assert _spec is not None and _spec.loader is not None
 M: Any = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(M)
-
-
-@contextlib.contextmanager
-def said(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """Ravex's log lines into ``caplog`` (the ravex logger does not propagate while a run is on)."""
-    logger = logging.getLogger("ravex")
-    logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="ravex"):
-            yield
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def ckpt(name: str) -> str:

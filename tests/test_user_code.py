@@ -16,21 +16,19 @@ late, a framework restore that does not fit, and recipes that must stay data.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torchmetrics
-from conftest import run_ravex
+from conftest import run_ravex, said
 
 import ravex
 from ravex_convert.formats.native import reader as native
@@ -41,18 +39,6 @@ TESTS = Path(__file__).resolve().parent
 def completed_steps(store: Path) -> list[int]:
     manifest = json.loads((store / "manifest.json").read_text())
     return [int(c["step"]) for c in manifest["checkpoints"] if c.get("status") == "complete"]
-
-
-@contextlib.contextmanager
-def said(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """Ravex's log lines into ``caplog`` (the ravex logger does not propagate while a run is on)."""
-    logger = logging.getLogger("ravex")
-    logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="ravex"):
-            yield
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def ravex_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
