@@ -438,6 +438,7 @@ def test_conditional_writes_on_each_server(s3_each: S3Prefix, request: pytest.Fi
 
 
 def test_a_lease_on_each_server(s3_each: S3Prefix, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ravex_convert.errors import RavexError
     from ravex_convert.storage import PreconditionFailed, resolve
 
     storage, key = resolve(s3_each / "lock")
@@ -454,6 +455,10 @@ def test_a_lease_on_each_server(s3_each: S3Prefix, monkeypatch: pytest.MonkeyPat
         assert json.loads(storage.get(key)[0])["run_id"] == "run-c"
         storage.put(key, b'{"run_id": "intruder"}')  # replaced meanwhile: the release must not delete it
     assert json.loads(storage.get(key)[0])["run_id"] == "intruder"
+    monkeypatch.setenv("RAVEX_S3_LEASE_TTL", "0")  # issue 43: a TTL below the floor is refused, not taken
+    with pytest.raises(RavexError, match=r"RAVEX_S3_LEASE_TTL='0' is below 5 s") as exc, storage.lease(key, "run-d"):
+        pass
+    assert "set RAVEX_S3_LEASE_TTL to 5 or more" in (exc.value.hint or "")
 
 
 def test_the_second_server_stays_on_loopback(moto_server: Any) -> None:

@@ -467,8 +467,18 @@ class _Output:
                     self.store.delete(key)
 
 
+# A lease is renewed every TTL/4: below this a pause of a second or two (a GC, a busy disk) loses it
+# to another run, which then takes the store over from a holder that is alive.
+_MIN_LEASE_TTL_S = 5.0
+
+
 def _lease_ttl() -> float:
-    return _number("RAVEX_S3_LEASE_TTL", 120.0)
+    ttl = _number("RAVEX_S3_LEASE_TTL", 120.0)
+    if ttl < _MIN_LEASE_TTL_S:
+        raise RavexError(f"RAVEX_S3_LEASE_TTL={os.environ.get('RAVEX_S3_LEASE_TTL')!r} is below {_MIN_LEASE_TTL_S:.0f} s: a lease renewed "
+                         f"every {ttl / 4:.2f} s is lost to any pause of the holder, and another run takes a live run's store over",
+                         hint=f"set RAVEX_S3_LEASE_TTL to {_MIN_LEASE_TTL_S:.0f} or more (the default is 120), or unset it")
+    return ttl
 
 
 class S3Storage:
