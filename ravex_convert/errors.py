@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "UnknownFormatError",
     "UnsafeCheckpointError",
     "from_os_error",
+    "translate_os_errors",
 ]
 
 # The exit code of a bug in Ravex (an invariant that failed, an exception no
@@ -131,38 +133,24 @@ def _os_hint(code: int | None, path: str, writing: bool) -> str:
     return "check the path, its permissions and the free space, and run again"
 
 
-# What to do about each kind of S3 failure (``_core.S3Error.kind``).
-_S3_HINTS = {
-    "not_found": "check the path: `ravex inspect s3://BUCKET/PREFIX` lists what is there",
-    "denied": "check the credentials (RAVEX_S3_ACCESS_KEY / RAVEX_S3_SECRET_KEY, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) "
-              "and that they may read and write this bucket",
-    "no_bucket": "create the bucket first, or check its name and AWS_ENDPOINT_URL",
-    "unreachable": "check AWS_ENDPOINT_URL (or RAVEX_S3_ENDPOINT) and the network; rerun: nothing half-written is taken for complete",
-    "precondition": "another writer changed it meanwhile; rerun",
-    "invalid": "this is a path or size S3 cannot hold",
-    "other": "rerun; if it persists, check the server's logs",
-}
-# buckets whose server stopped answering in this process: cleaning up after the failure is left
-# to the next writer, rather than waiting out the same timeouts again (storage.s3)
-S3_UNREACHABLE: set[str] = set()
+# Backends whose clients raise OSErrors of their own (the storage package registers them):
+# each translator gives the FileSystemError for an exception of its client, or None.
+_TRANSLATORS: list[Callable[[OSError], FileSystemError | None]] = []
 
 
-def s3_error(exc: OSError) -> FileSystemError:
-    """An ``S3Error`` of the core as one clear error (exit 9, as any storage that refuses a read
-    or a write): the ``s3://`` URL, what happened, a hint."""
-    kind = str(getattr(exc, "kind", "other"))
-    url = getattr(exc, "url", None)
-    if kind == "unreachable" and isinstance(url, str) and url.startswith("s3://"):
-        S3_UNREACHABLE.add(url[len("s3://"):].split("/", 1)[0])
-    return FileSystemError(str(exc), hint=_S3_HINTS.get(kind, _S3_HINTS["other"]), path=url)
+def translate_os_errors(translator: Callable[[OSError], FileSystemError | None]) -> None:
+    """Have :func:`from_os_error` ask ``translator`` first (a storage backend's own errors)."""
+    if translator not in _TRANSLATORS:
+        _TRANSLATORS.append(translator)
 
 
 def from_os_error(exc: OSError, *, path: str | Path | None = None, writing: bool = False) -> FileSystemError:
     """One :class:`FileSystemError` for an ``OSError``: ``<file>: <what failed>``
     and a hint for its errno. ``path`` names the file where the ``OSError``
     does not (or names a temporary one)."""
-    if type(exc).__name__ == "S3Error" and hasattr(exc, "kind"):  # the S3 client's (_core.S3Error), from any call
-        return s3_error(exc)
+    for translate in _TRANSLATORS:  # a storage client's own errors, from any call that reached it
+        if (mapped := translate(exc)) is not None:
+            return mapped
     where = exc.filename if exc.filename is not None else path
     if writing and exc.filename is not None and path is not None:
         # an OSError inside a write may still be about a source file

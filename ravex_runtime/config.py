@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ravex_convert.errors import RavexError
-from ravex_convert.storage import S3_ENV
+from ravex_convert.storage import settings as storage_settings
 
 __all__ = ["CONFIG_FILE", "Config", "ConfigError", "enabled", "find_config_file", "load_config", "override"]
 
@@ -31,7 +31,7 @@ class Config:
     backend: str = "native"
     compression: str = "none"
     storage_type: str = "local"
-    storage_path: Path = Path("ravex_checkpoints")
+    storage_path: Path | str = Path("ravex_checkpoints")  # a path, or a bucket's URL (the storage layer's spelling)
     keep_last: int | None = 3
     max_steps: int | None = None
     resume_from: str | int | None = None
@@ -42,7 +42,7 @@ class Config:
     # every N-th checkpoint copied to a rank on another machine (no shared storage; replica.py)
     replicate_every: int | None = None
     source: str = "defaults"  # the file the configuration came from, for messages
-    # storage.type s3 / r2 spelled out (storage.path s3://bucket/prefix says the same)
+    # a store in a bucket spelled out (storage.type, with these; storage.path may say the same)
     storage_bucket: str | None = None
     storage_prefix: str | None = None
     storage_endpoint: str | None = None
@@ -50,11 +50,9 @@ class Config:
 
     @property
     def store(self) -> str | Path:
-        """The store as the writers take it: the path, ``objdir:PATH`` (object-store semantics),
-        or ``s3://bucket/prefix``."""
-        if self.storage_type in _BUCKETS:
-            return str(self.storage_path)
-        return f"objdir:{self.storage_path}" if self.storage_type == "objdir" else self.storage_path
+        """The store as the storage layer takes it (``ravex_convert.storage.resolve``): the path,
+        or the path spelled for its backend."""
+        return storage_settings.spelling(self.storage_type, self.storage_path)
 
 
 # key -> (kind, later-work?)  kinds: int+ (positive int), int+? (positive int or null), choice, path, bool, resume
@@ -62,12 +60,7 @@ _KEYS: dict[str, str] = {
     "checkpoint_every": "int+",
     "backend": "backend",
     "compression": "compression",
-    "storage.type": "storage_type",
-    "storage.path": "path",
-    "storage.bucket": "bucket",
-    "storage.prefix": "prefix",
-    "storage.endpoint": "endpoint",
-    "storage.region": "region",
+    **storage_settings.KEYS,  # checked by the storage layer
     "keep_last": "int+?",
     "max_steps": "int+?",
     "resume_from": "resume",
@@ -78,21 +71,14 @@ _KEYS: dict[str, str] = {
     "replicate_every": "int+?",
 }
 _LATER: set[str] = set()
-_CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "storage_type": ("local", "objdir", "s3", "r2"),
-            "sharded_checkpoints": ("gather", "per_rank")}
-_BUCKETS = ("s3", "r2")
-_S3 = "s3://"
-# never read from ravex.yaml (a file that is copied around and committed): the environment only
-_CREDENTIALS = {"access_key", "secret_key", "access_key_id", "secret_access_key", "session_token", "token", "password", "credentials"}
+_CHOICES = {"backend": ("native", "torch_save"), "compression": ("none", "zstd"), "sharded_checkpoints": ("gather", "per_rank")}
 _ENV = {"RAVEX_" + k.upper().replace(".", "_"): k for k in [*_KEYS, *_LATER]}
 # not settings, but Ravex's own: the on/off switch, the set-up scripts' venv path, the storage
-# switch of the test suite (RAVEX_STORAGE=objdir: every plain path through the objdir backend),
-# and the converter's switches and limits, which a run reading checkpoints obeys too (an error's
-# hint may tell a user to set one)
-_ENV_OTHER = {"RAVEX_ENABLED", "RAVEX_VENV", "RAVEX_STORAGE", "RAVEX_DEBUG", "RAVEX_NO_CRC", "RAVEX_DIRECT_IO",
+# layer's own variables (the test suite's switch, the S3 client's), and the converter's switches
+# and limits, which a run reading checkpoints obeys too (an error's hint may tell a user to set one)
+_ENV_OTHER = {"RAVEX_ENABLED", "RAVEX_VENV", "RAVEX_DEBUG", "RAVEX_NO_CRC", "RAVEX_DIRECT_IO",
               "RAVEX_MAX_PICKLE_BYTES", "RAVEX_MAX_PICKLE_OBJECTS", "RAVEX_MAX_JSON_DEPTH", "RAVEX_MAX_CHUNKS_PER_TENSOR",
-              "RAVEX_MAX_EXPANSION", *S3_ENV}
-_OBJDIR = "objdir:"
+              "RAVEX_MAX_EXPANSION", *storage_settings.ENV}
 
 
 def enabled() -> bool:
@@ -148,15 +134,9 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise bad("expected a positive integer" + (" or null" if kind == "int+?" else ""))
         return value
-    if kind in ("bucket", "prefix", "endpoint", "region"):
-        if value is None:
-            return None
-        if not isinstance(value, str) or not value.strip():
-            raise bad(f"expected a {kind} name")
-        if kind == "endpoint" and not value.startswith(("http://", "https://")):
-            raise bad("expected a URL (https://..., or http://... for a server you run)")
-        return value.strip().strip("/") if kind == "prefix" else value.strip()
-    if kind in ("backend", "compression", "storage_type", "sharded_checkpoints"):
+    if key in storage_settings.KEYS:
+        return storage_settings.value(key, value, bad, base)
+    if kind in ("backend", "compression", "sharded_checkpoints"):
         choices = _CHOICES[kind]
         if value not in choices:
             raise bad(f"expected one of {', '.join(choices)}")
@@ -166,21 +146,7 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
             return None
         if not isinstance(value, str) or not value:
             raise bad("expected a path")
-        text = value
-        if key == "storage.path" and value.startswith(_S3):
-            from ravex_convert.storage import as_path
-            from ravex_convert.storage.s3 import split
-
-            try:
-                split(value)
-            except RavexError as exc:
-                raise bad(f"not an S3 location ({exc.message})") from None
-            return as_path(value)
-        if key == "storage.path" and value.startswith(_OBJDIR):
-            text = value[len(_OBJDIR):].removeprefix("//")  # objdir:PATH, objdir:///abs/path: see _apply
-            if not text:
-                raise bad("expected objdir:PATH, PATH naming the store in its bucket (the directory above it)")
-        p = Path(os.path.expanduser(text))
+        p = Path(os.path.expanduser(value))
         return p if p.is_absolute() else base / p
     if kind == "bool":
         if not isinstance(value, bool):
@@ -192,18 +158,13 @@ def _value(key: str, value: Any, where: str, base: Path) -> Any:
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     if isinstance(value, str) and value:
-        # a checkpoint on object storage is read through its local view (the same bytes as ranged GETs)
-        p = Path(os.path.expanduser(value.removeprefix(_OBJDIR).removeprefix("//") if value.startswith(_OBJDIR) else value))
-        return str(p if p.is_absolute() else base / p)
+        return storage_settings.checkpoint_path(value, base)
     raise bad("expected a store index (e.g. -2) or a checkpoint path")
 
 
 def _apply(cfg: Config, values: dict[str, Any], where: str, base: Path, env: bool) -> None:
     for key, raw in values.items():
-        if key.startswith("storage.") and key[len("storage."):].lower() in _CREDENTIALS:
-            raise ConfigError(f"{where}: {key}: Ravex never reads credentials from its configuration",
-                              hint=f"remove {key}; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or RAVEX_S3_ACCESS_KEY / "
-                                   "RAVEX_S3_SECRET_KEY) in the job's environment")
+        storage_settings.check_key(key, where, ConfigError)
         if key in _LATER or (key.startswith("storage.") and key[len("storage."):] in _LATER):
             raise ConfigError(f"{where}: {key} is not supported yet (local storage only)", hint=f"remove {key}")
         if key not in _KEYS:
@@ -211,10 +172,7 @@ def _apply(cfg: Config, values: dict[str, Any], where: str, base: Path, env: boo
             raise ConfigError(f"{where}: unknown key {key!r}", hint=f"known keys: {known}")
         value = _value(key, _parse_env(key, raw) if env else raw, where, base)
         setattr(cfg, key.replace(".", "_"), value)
-        if key == "storage.path" and isinstance(raw, str) and raw.startswith(_OBJDIR):
-            cfg.storage_type = "objdir"  # the object-store-semantics backend, spelled in the path as the CLI takes it
-        if key == "storage.path" and isinstance(raw, str) and raw.startswith(_S3) and cfg.storage_type not in _BUCKETS:
-            cfg.storage_type = "s3"
+        cfg.storage_type = storage_settings.type_of(key, raw, cfg.storage_type)
 
 
 def override(cfg: Config, given: dict[str, Any], where: str) -> Config:
@@ -254,7 +212,7 @@ def load_config(cwd: Path | None = None, environ: dict[str, str] | None = None) 
             raise ConfigError(f"environment variable {var}: not a Ravex setting",
                               hint=f"known: {', '.join(sorted([*_ENV, *_ENV_OTHER]))}; unset it")
         _apply(cfg, {_ENV[var]: environ[var]}, f"environment variable {var}", cwd, env=True)
-    _bucket_location(cfg)
+    storage_settings.locate(cfg, ConfigError)
     if cfg.replicate_every is not None and (cfg.storage_type != "local" or cfg.backend != "native"):
         raise ConfigError(f"{cfg.source}: replicate_every copies a native store on each machine's own disk; this run has "
                           f"storage.type {cfg.storage_type}, backend {cfg.backend} (with the environment's RAVEX_*)",
@@ -265,40 +223,3 @@ def load_config(cwd: Path | None = None, environ: dict[str, str] | None = None) 
                           hint="resume_from continues a run (its optimizer, schedulers, step and data position); init_from starts a new one "
                                "from a checkpoint's weights only: keep one")
     return cfg
-
-
-def _bucket_location(cfg: Config) -> None:
-    """``storage.type: s3`` (or ``r2``) with ``bucket`` and ``prefix``: the store's s3:// path, and
-    the endpoint and region the client uses; refused where the pieces do not fit together."""
-    spelled = cfg.storage_bucket is not None or cfg.storage_prefix is not None
-    where = cfg.source if cfg.source != "defaults" else "the environment (RAVEX_STORAGE_*)"
-    if cfg.storage_type not in _BUCKETS:
-        extra = [k for k, v in (("bucket", cfg.storage_bucket), ("prefix", cfg.storage_prefix), ("endpoint", cfg.storage_endpoint),
-                                ("region", cfg.storage_region)) if v is not None]
-        if extra:
-            raise ConfigError(f"{where}: storage.{extra[0]} is set but storage.type is {cfg.storage_type}",
-                              hint="set storage.type: s3 (or r2), or remove it")
-        return
-    if spelled:
-        if not cfg.storage_bucket:
-            raise ConfigError(f"{where}: storage.type is {cfg.storage_type} but storage.bucket is not set",
-                              hint="storage:\n  type: s3\n  bucket: my-bucket\n  prefix: runs/exp7   (or path: s3://my-bucket/runs/exp7)")
-        from ravex_convert.storage import as_path
-
-        url = f"{_S3}{cfg.storage_bucket}/{cfg.storage_prefix or 'ravex_checkpoints'}"
-        try:
-            from ravex_convert.storage.s3 import split
-
-            split(url)
-        except RavexError as exc:
-            raise ConfigError(f"{where}: storage.bucket / storage.prefix: {exc.message}", hint=exc.hint or "") from None
-        cfg.storage_path = as_path(url)
-    elif not str(cfg.storage_path).startswith(_S3):
-        raise ConfigError(f"{where}: storage.type is {cfg.storage_type} but storage.path is {cfg.storage_path}",
-                          hint="give storage.path: s3://BUCKET/PREFIX, or storage.bucket and storage.prefix")
-    if cfg.storage_type == "r2" and not (cfg.storage_endpoint or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("RAVEX_S3_ENDPOINT")):
-        raise ConfigError(f"{where}: storage.type is r2 but no endpoint is given",
-                          hint="set storage.endpoint: https://<account id>.r2.cloudflarestorage.com (or AWS_ENDPOINT_URL)")
-    from ravex_convert.storage.s3 import configure, split
-
-    configure(split(str(cfg.storage_path))[0], endpoint=cfg.storage_endpoint, region=cfg.storage_region or ("auto" if cfg.storage_type == "r2" else None))

@@ -19,7 +19,9 @@ __all__ = ["store_status"]
 
 
 def _default_store() -> Path:
-    return load_config().storage_path  # an objdir store's path is its local view too
+    from ravex_convert.storage import as_path
+
+    return as_path(load_config().storage_path)  # an objdir store's path is its local view too
 
 
 def _dir_size(d: Path) -> int:

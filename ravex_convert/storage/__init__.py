@@ -20,10 +20,7 @@ from typing import Any, BinaryIO, cast
 from .base import ABSENT, Output, PreconditionFailed, Sink, Stat, Storage
 from .local import LocalStorage, remove_tree
 
-SCHEME = "s3://"  # storage.s3 imports the core: it is loaded only for an s3:// path
-# the S3 client's own environment variables (docs/storage.md), besides the standard AWS_* ones
-S3_ENV = ("RAVEX_S3_ACCESS_KEY", "RAVEX_S3_SECRET_KEY", "RAVEX_S3_ENDPOINT", "RAVEX_S3_PART_MB", "RAVEX_S3_IN_FLIGHT", "RAVEX_S3_RETRIES",
-          "RAVEX_S3_RETRY_TIMEOUT_S", "RAVEX_S3_CONNECT_TIMEOUT_S", "RAVEX_S3_TIMEOUT_S", "RAVEX_S3_LEASE_TTL")
+from .s3conf import SCHEME  # storage.s3 imports the core: it is loaded only for an s3:// path
 
 __all__ = [
     "ABSENT",

@@ -33,7 +33,6 @@ import fnmatch
 import io
 import json
 import os
-import re
 import socket
 import stat as stat_mod
 import tempfile
@@ -44,88 +43,39 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .. import _core
-from ..errors import S3_UNREACHABLE, RavexError, s3_error
+from ..errors import FileSystemError, RavexError, translate_os_errors
 from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note
+from .s3conf import SCHEME, answered, client_key, client_settings, configure, error, lease_ttl, split, unreachable
 
 __all__ = ["SCHEME", "S3Path", "S3Storage", "bucket", "configure", "split"]
 
-SCHEME = "s3://"
-_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 # listings a reader asked for, kept briefly: detection and a reader ask about the same directory
 # many times within a second; this process's own writes to the bucket drop them at once
 _LISTING_TTL_S = 2.0
-
-
-def split(url: str) -> tuple[str, str]:
-    """``(bucket, key)`` of ``s3://bucket/key``: a key is relative, '/'-separated, without
-    empty, '.' or '..' segments (a trailing '/' is dropped)."""
-    rest = url.removeprefix(SCHEME)
-    name, _, key = rest.partition("/")
-    if not _BUCKET_NAME.match(name):
-        raise RavexError(f"{url}: {name!r} is not an S3 bucket name", hint="write s3://BUCKET/PREFIX (a bucket name is 3-63 lowercase letters, digits, '.' and '-')")
-    key = key.rstrip("/")
-    if key and any(p in ("", ".", "..") for p in key.split("/")):
-        raise RavexError(f"{url}: not an object key (empty, '.' or '..' segments)", hint="write s3://BUCKET/PREFIX with plain names between the slashes")
-    return name, key
-
-
-def _env(*names: str) -> str | None:
-    for n in names:
-        v = os.environ.get(n)
-        if v:
-            return v
-    return None
-
-
-def _number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise RavexError(f"{name}={raw!r} is not a number", hint=f"unset {name} or give it a number") from None
-    if value < 0:
-        raise RavexError(f"{name}={raw!r} must not be negative", hint=f"unset {name} or give it a number >= 0")
-    return value
-
-
 _clients: dict[tuple[Any, ...], Any] = {}
 _clients_lock = threading.Lock()
-_configured: dict[str, tuple[str | None, str | None]] = {}  # bucket -> (endpoint, region) a run's configuration gave
-
-
-def configure(name: str, *, endpoint: str | None = None, region: str | None = None) -> None:
-    """Where bucket ``name`` is, as a run's configuration says (``storage.endpoint``,
-    ``storage.region``); the environment's values are used where these are None."""
-    _configured[name] = (endpoint, region)
 
 
 def bucket(name: str) -> Any:
     """The client of bucket ``name`` in this process, configured from the environment."""
-    given_endpoint, given_region = _configured.get(name, (None, None))
-    endpoint = given_endpoint or _env("RAVEX_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
-    access, secret = _env("RAVEX_S3_ACCESS_KEY"), _env("RAVEX_S3_SECRET_KEY")
-    if bool(access) != bool(secret):
-        raise RavexError("only one of RAVEX_S3_ACCESS_KEY and RAVEX_S3_SECRET_KEY is set", hint="set both, or neither (then the AWS_* variables are used)")
-    region = given_region or _env("AWS_REGION", "AWS_DEFAULT_REGION") or ("auto" if endpoint and ".r2.cloudflarestorage.com" in endpoint else "us-east-1")
-    part_size, in_flight, retries = int(_number("RAVEX_S3_PART_MB", 8) * (1 << 20)), int(_number("RAVEX_S3_IN_FLIGHT", 8)), int(_number("RAVEX_S3_RETRIES", 10))
-    timeouts = (_number("RAVEX_S3_RETRY_TIMEOUT_S", 180), _number("RAVEX_S3_CONNECT_TIMEOUT_S", 5), _number("RAVEX_S3_TIMEOUT_S", 60))
-    # the credentials are part of the key only as a hash: a client per set of credentials
-    key = (os.getpid(), name, endpoint, region, hash((access, secret, _env("AWS_ACCESS_KEY_ID"), _env("AWS_SECRET_ACCESS_KEY"), _env("AWS_SESSION_TOKEN"))),
-           part_size, in_flight, retries, timeouts)
+    settings = client_settings(name)
+    key = client_key(name, settings)
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
             try:
-                client = _core.S3Bucket(name, endpoint=endpoint, region=region, access_key=access, secret_key=secret,
-                                        session_token=_env("AWS_SESSION_TOKEN") if access is None else None, part_size=part_size,
-                                        max_in_flight=in_flight, max_retries=retries, retry_timeout_s=timeouts[0], connect_timeout_s=timeouts[1],
-                                        request_timeout_s=timeouts[2])
+                client = _core.S3Bucket(name, **settings)
             except _core.S3Error as exc:
-                raise s3_error(exc) from None
+                raise error(exc) from None
             _clients[key] = client
     return client
+
+
+def _translate(exc: OSError) -> FileSystemError | None:
+    return error(exc) if isinstance(exc, _core.S3Error) else None
+
+
+translate_os_errors(_translate)  # an S3Error from any call (the executor's too) is reported as one
 
 
 @contextlib.contextmanager
@@ -139,7 +89,7 @@ def _mapped() -> Iterator[None]:
             raise PreconditionFailed(str(exc)) from None
         if exc.kind == "not_found":
             raise FileNotFoundError(2, "no such object", exc.url) from None
-        raise s3_error(exc) from None
+        raise error(exc) from None
 
 
 # ------------------------------------------------------------------------------ listing cache
@@ -371,7 +321,7 @@ class _UploadSink:
     def abort(self) -> None:
         if self._open:
             self._open = False
-            self.target.abort(self._store.name not in S3_UNREACHABLE)
+            self.target.abort(not unreachable(self._store.name))
 
 
 class _ScratchSink:
@@ -416,6 +366,7 @@ class _Output:
             raise RavexError(f"s3://{store.name}: write to a prefix inside the bucket, not to its root",
                              hint=f"give s3://{store.name}/NAME")
         old = store.list(self.key) + ([self.key] if store.exists(self.key) else [])
+        answered(store.name)  # its server answers again: a failure of this output is cleaned up after
         store.abort_unfinished(self.key)
         if old and not force:
             raise RavexError(f"{store.url(self.key)}: already exists", hint="pass --force to replace it, or choose another destination")
@@ -458,27 +409,13 @@ class _Output:
         for s in self._sinks:
             with contextlib.suppress(Exception):
                 s.abort()
-        if self.store.name in S3_UNREACHABLE:
+        if unreachable(self.store.name):
             return
         with contextlib.suppress(RavexError, OSError):
             keys = set(self._written) | set(self.store.list(self.key)) | ({self.key} if self.store.exists(self.key) else set())
             for key in sorted(keys, key=lambda k: k.rsplit("/", 1)[-1] not in (".metadata", "latest", "manifest.json")):
                 with contextlib.suppress(FileNotFoundError, RavexError):
                     self.store.delete(key)
-
-
-# A lease is renewed every TTL/4: below this a pause of a second or two (a GC, a busy disk) loses it
-# to another run, which then takes the store over from a holder that is alive.
-_MIN_LEASE_TTL_S = 5.0
-
-
-def _lease_ttl() -> float:
-    ttl = _number("RAVEX_S3_LEASE_TTL", 120.0)
-    if ttl < _MIN_LEASE_TTL_S:
-        raise RavexError(f"RAVEX_S3_LEASE_TTL={os.environ.get('RAVEX_S3_LEASE_TTL')!r} is below {_MIN_LEASE_TTL_S:.0f} s: a lease renewed "
-                         f"every {ttl / 4:.2f} s is lost to any pause of the holder, and another run takes a live run's store over",
-                         hint=f"set RAVEX_S3_LEASE_TTL to {_MIN_LEASE_TTL_S:.0f} or more (the default is 120), or unset it")
-    return ttl
 
 
 class S3Storage:
@@ -576,7 +513,7 @@ class S3Storage:
         owner = os.getpid()
 
         def renew() -> None:
-            while not stop.wait(_lease_ttl() / 4):
+            while not stop.wait(lease_ttl() / 4):
                 with contextlib.suppress(Exception):
                     state["etag"] = self.put(key, _note(holder), if_generation=state["etag"])
 
@@ -602,7 +539,7 @@ class S3Storage:
         except FileNotFoundError:  # released in between
             return self.put(key, _note(holder), if_generation=ABSENT)
         if not _abandoned(raw):
-            raise PreconditionFailed(holder_text(raw) + f" (taken over if not renewed for {_lease_ttl():.0f} s: RAVEX_S3_LEASE_TTL)")
+            raise PreconditionFailed(holder_text(raw) + f" (taken over if not renewed for {lease_ttl():.0f} s: RAVEX_S3_LEASE_TTL)")
         try:
             return self.put(key, _note(holder), if_generation=gen)
         except PreconditionFailed:  # another writer took it over first
@@ -624,7 +561,7 @@ def _abandoned(raw: bytes) -> bool:
         renewed = float(note.get("renewed_unix", note["since_unix"]))
     except (ValueError, KeyError, TypeError):
         return False
-    if time.time() - renewed > _lease_ttl():
+    if time.time() - renewed > lease_ttl():
         return True
     if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and host == socket.gethostname():
         try:
