@@ -35,7 +35,6 @@ import json
 import os
 import socket
 import stat as stat_mod
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -44,7 +43,8 @@ from typing import Any
 
 from .. import _core
 from ..errors import FileSystemError, RavexError, translate_os_errors
-from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note
+from .base import PreconditionFailed, Stat
+from .objstore import ObjectStore
 from .s3conf import SCHEME, answered, client_key, client_settings, configure, error, lease_ttl, split, unreachable
 
 __all__ = ["SCHEME", "S3Path", "S3Storage", "bucket", "configure", "split"]
@@ -299,189 +299,91 @@ class _UploadSink:
     path = None  # no local file
     direct = False
 
-    def __init__(self, store: S3Storage, key: str, size: int):
-        self.key, self._store = key, store
+    def __init__(self, client: _S3Client, key: str, size: int):
+        self.key, self._client = key, client
         with _mapped():
-            self.target = store.client.upload(key, size)
-        self._open = True
+            self.target = client.core.upload(key, size)
+        self.open = True
 
     def pwrite(self, data: bytes, offset: int) -> None:
         with _mapped():
             self.target.pwrite(bytes(data), offset)
 
     def close(self) -> None:
-        if self._open:
-            self._open = False
+        if self.open:
+            self.open = False
             try:
                 with _mapped():
                     self.target.close()
             finally:
-                _forget(self._store.name)
+                _forget(self._client.name)
 
     def abort(self) -> None:
-        if self._open:
-            self._open = False
-            self.target.abort(not unreachable(self._store.name))
+        if self.open:
+            self.open = False
+            self.target.abort(not unreachable(self._client.name))
 
 
-class _ScratchSink:
-    """A local temporary file that never becomes an object (compression's input)."""
-
-    direct = False
-
-    def __init__(self, size: int):
-        fd, name = tempfile.mkstemp(prefix="ravex-s3-scratch-")
-        os.ftruncate(fd, size)
-        os.close(fd)
-        self.key = ""
-        self.path = Path(name)
-        self.target = name
-
-    def pwrite(self, data: bytes, offset: int) -> None:
-        fd = os.open(self.path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, data, offset)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        self.abort()
-
-    def abort(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-
-
-class _Output:
-    def __init__(self, store: S3Storage, dst: str, force: bool, directory: bool, create: bool, commit: tuple[str, ...]):
-        self.store, self.key, self.directory = store, dst, directory
-        self._written: list[str] = []
-        self._sinks: list[Any] = []
-        if create:
-            self._create(force, commit)
-
-    def _create(self, force: bool, commit: tuple[str, ...]) -> None:
-        store = self.store
-        if not self.key:
-            raise RavexError(f"s3://{store.name}: write to a prefix inside the bucket, not to its root",
-                             hint=f"give s3://{store.name}/NAME")
-        old = store.list(self.key) + ([self.key] if store.exists(self.key) else [])
-        answered(store.name)  # its server answers again: a failure of this output is cleaned up after
-        store.abort_unfinished(self.key)
-        if old and not force:
-            raise RavexError(f"{store.url(self.key)}: already exists", hint="pass --force to replace it, or choose another destination")
-        # No atomic replace of many objects exists: the old output's commit objects go
-        # first, so it stops being a checkpoint before any new object lands.
-        for k in sorted(old, key=lambda k: k.rsplit("/", 1)[-1] not in commit):
-            store.delete(k)
-
-    def _key(self, rel: str) -> str:
-        return f"{self.key}/{rel}" if rel else self.key
-
-    def sink(self, rel: str, size: int) -> _UploadSink:
-        key = self._key(rel)
-        s = _UploadSink(self.store, key, size)
-        self._sinks.append(s)
-        self._written.append(key)
-        return s
-
-    def scratch(self, size: int) -> _ScratchSink:
-        s = _ScratchSink(size)
-        self._sinks.append(s)
-        return s
-
-    def put(self, rel: str, data: bytes) -> None:
-        key = self._key(rel)
-        self.store.put(key, data, if_generation=ABSENT)
-        self._written.append(key)
-
-    def publish(self, commit: list[tuple[str, bytes]]) -> None:
-        for s in self._sinks:
-            if isinstance(s, _UploadSink) and s._open:
-                raise RavexError(f"{s.key}: still open at commit")  # Ravex's own bug
-        for rel, data in commit:
-            self.put(rel, data)
-
-    def abort(self) -> None:
-        """Every object under the output's key goes (other ranks' too: they are all this output's).
-        Not when the server stopped answering: the cleanup would wait out the same timeouts, and
-        what is left is no checkpoint (no commit object) and is cleared by the next writer there."""
-        for s in self._sinks:
-            with contextlib.suppress(Exception):
-                s.abort()
-        if unreachable(self.store.name):
-            return
-        with contextlib.suppress(RavexError, OSError):
-            keys = set(self._written) | set(self.store.list(self.key)) | ({self.key} if self.store.exists(self.key) else set())
-            for key in sorted(keys, key=lambda k: k.rsplit("/", 1)[-1] not in (".metadata", "latest", "manifest.json")):
-                with contextlib.suppress(FileNotFoundError, RavexError):
-                    self.store.delete(key)
-
-
-class S3Storage:
-    """One bucket; keys are relative, '/'-separated."""
-
-    scheme = "s3"
+class _S3Client:
+    """A bucket's calls, through the core's client (``_core.S3Bucket``), its errors mapped."""
 
     def __init__(self, name: str):
         self.name = name
-        self.client = bucket(name)
+        self.core = bucket(name)
+
+    @property
+    def renew_every(self) -> float | None:
+        return lease_ttl() / 4
 
     def url(self, key: str) -> str:
         return f"{SCHEME}{self.name}/{key}"
 
-    def output(self, dst: str, *, force: bool, directory: bool, token: str, create: bool = True, staging: str | None = None,
-               commit: tuple[str, ...] = ()) -> _Output:
-        return _Output(self, dst, force, directory, create, commit)
-
-    def exists(self, key: str) -> bool:
-        if key.endswith("/") or not key:
-            return bool(self.list(key.rstrip("/")))
-        return self.stat(key) is not None
-
-    def list(self, prefix: str) -> list[str]:
-        """Every object key under the "directory" ``prefix``, sorted."""
+    def head(self, key: str) -> Stat | None:
         with _mapped():
-            return [k for k, _, _ in self.client.list(prefix)]
-
-    def stat(self, key: str) -> Stat | None:
-        with _mapped():
-            head = self.client.head(key)
+            head = self.core.head(key)
         return None if head is None else Stat(head[1], head[2])
 
     def get(self, key: str) -> tuple[bytes, Any]:
         with _mapped():
-            data, etag = self.client.get(key)
+            data, etag = self.core.get(key)
         return bytes(data), etag
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
         with _mapped():
-            return bytes(self.client.get_range(key, offset, length))
+            return bytes(self.core.get_range(key, offset, length))
 
-    def put(self, key: str, data: bytes, *, if_generation: Any = None, staging: str | None = None) -> Any:
-        """A whole object, conditionally; ``staging`` means nothing here (no rename). A
-        conditional put that loses is settled by reading back: equal bytes are this writer's
-        own first attempt (a retry after a lost answer), anything else another writer's."""
-        mode, etag = ("overwrite", None) if if_generation is None else ("create", None) if if_generation == ABSENT else ("replace", str(if_generation))
+    def list(self, prefix: str) -> builtins.list[str]:
+        with _mapped():
+            return [k for k, _, _ in self.core.list(prefix)]
+
+    def put(self, key: str, data: bytes, mode: str, generation: Any) -> Any:
         try:
             with _mapped():
-                return self.client.put(key, bytes(data), mode, etag)
-        except PreconditionFailed:
-            if mode != "overwrite":
-                with contextlib.suppress(FileNotFoundError, RavexError):
-                    now, gen = self.get(key)
-                    if now == bytes(data):
-                        return gen
-            raise PreconditionFailed(f"{self.url(key)}: another writer changed it first") from None
+                return self.core.put(key, data, mode, None if generation is None else str(generation))
         finally:
             _forget(self.name)
 
     def delete(self, key: str) -> None:
         try:
             with _mapped():
-                self.client.delete(key)
+                self.core.delete(key)
         finally:
             _forget(self.name)
+
+    def delete_if(self, key: str, generation: Any) -> None:
+        try:
+            with _mapped():
+                self.core.delete_if(key, generation)
+        finally:
+            _forget(self.name)
+
+    def upload(self, key: str, size: int, token: str) -> _UploadSink:
+        return _UploadSink(self, key, size)
+
+    def unfinished(self, prefix: str) -> builtins.list[tuple[str, str, str]]:
+        with _mapped():
+            found = self.core.unfinished(prefix)
+        return [u for u in found if not prefix or u[0] == prefix or u[0].startswith(prefix + "/")]
 
     def abort_unfinished(self, prefix: str) -> None:
         """Multipart uploads a writer left unfinished at ``prefix`` (the object itself, or any under
@@ -489,67 +391,59 @@ class S3Storage:
         with _mapped():
             for key, upload_id, _ in self.unfinished(prefix):
                 with contextlib.suppress(_core.S3Error):
-                    self.client.abort_upload(key, upload_id)
+                    self.core.abort_upload(key, upload_id)
+
+    def abort_dead(self, prefix: str) -> None:
+        answered(self.name)  # it listed the output's key just now: a failure of this output is cleaned up after
+        self.abort_unfinished(prefix)  # no writer is alive at a key an output begins at (the caller holds its lease)
+
+    def view(self, key: str) -> Path:
+        return S3Path.of(self.url(key))  # type: ignore[return-value]  # a path that lists and reads by range
+
+    def abandoned(self, note: bytes) -> bool:
+        return _abandoned(note)
+
+    def held_hint(self) -> str:
+        return f" (taken over if not renewed for {lease_ttl():.0f} s: RAVEX_S3_LEASE_TTL)"
+
+    def reachable(self) -> bool:
+        return not unreachable(self.name)
+
+    def begin(self, key: str) -> None:
+        if not key:
+            raise RavexError(f"s3://{self.name}: write to a prefix inside the bucket, not to its root",
+                             hint=f"give s3://{self.name}/NAME")
+
+    def occupied(self, key: str) -> bool:
+        return False  # a bucket has objects only
+
+    def cleared(self, key: str) -> None:
+        pass
+
+    def watch(self) -> None:
+        pass
+
+    def unwatch(self, token: str | None) -> None:
+        pass
+
+
+class S3Storage(ObjectStore):
+    """One bucket; keys are relative, '/'-separated."""
+
+    scheme = "s3"
+
+    def __init__(self, name: str):
+        self.name = name
+        self.s3 = _S3Client(name)
+        super().__init__(self.s3)
+
+    def url(self, key: str) -> str:
+        return self.s3.url(key)
 
     def unfinished(self, prefix: str) -> builtins.list[tuple[str, str, str]]:
         """``(key, upload id, initiated)`` of the multipart uploads left at ``prefix``: the object
         of that key, or any under it."""
-        with _mapped():
-            found = self.client.unfinished(prefix)
-        return [u for u in found if not prefix or u[0] == prefix or u[0].startswith(prefix + "/")]
-
-    def local_path(self, key: str) -> Path:
-        raise RavexError(f"{self.url(key)}: an object in a bucket has no local path")  # Ravex's own bug: readers get an S3Path
-
-    @contextlib.contextmanager
-    def lease(self, key: str, holder: str) -> Iterator[None]:
-        """A lease object at ``key``: created only where absent, renewed every TTL/4 seconds
-        while held, released with a conditional delete. One whose holder is a process of this
-        machine that no longer runs, or that was not renewed for the TTL, is taken over with a
-        put conditional on its ETag (only one taker wins)."""
-        etag = self._take(key, holder)
-        state = {"etag": etag}
-        stop = threading.Event()
-        owner = os.getpid()
-
-        def renew() -> None:
-            while not stop.wait(lease_ttl() / 4):
-                with contextlib.suppress(Exception):
-                    state["etag"] = self.put(key, _note(holder), if_generation=state["etag"])
-
-        t = threading.Thread(target=renew, name="ravex-s3-lease", daemon=True)
-        t.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            t.join(timeout=5)
-            if os.getpid() == owner:
-                with contextlib.suppress(Exception), _mapped():
-                    self.client.delete_if(key, state["etag"])
-                _forget(self.name)
-
-    def _take(self, key: str, holder: str) -> Any:
-        try:
-            return self.put(key, _note(holder), if_generation=ABSENT)
-        except PreconditionFailed:
-            pass
-        try:
-            raw, gen = self.get(key)
-        except FileNotFoundError:  # released in between
-            return self.put(key, _note(holder), if_generation=ABSENT)
-        if not _abandoned(raw):
-            raise PreconditionFailed(holder_text(raw) + f" (taken over if not renewed for {lease_ttl():.0f} s: RAVEX_S3_LEASE_TTL)")
-        try:
-            return self.put(key, _note(holder), if_generation=gen)
-        except PreconditionFailed:  # another writer took it over first
-            raise PreconditionFailed(holder_text(self.get(key)[0])) from None
-
-
-def _note(holder: str) -> bytes:
-    note = json.loads(lease_note(holder))
-    note["renewed_unix"] = time.time()
-    return json.dumps(note).encode()
+        return self.s3.unfinished(prefix)
 
 
 def _abandoned(raw: bytes) -> bool:
@@ -571,4 +465,3 @@ def _abandoned(raw: bytes) -> bool:
         except OSError:
             return False
     return False
-
