@@ -172,8 +172,8 @@ class CopyJob:
 
     def target(self, where: Any) -> int:
         """A target: a file that exists at its final size (a path), writable memory (C-contiguous
-        bytes), or an object being uploaded (``_core.S3Upload``)."""
-        self.targets.append(where if isinstance(where, (bytearray, memoryview, _core.S3Upload)) else str(where))
+        bytes), or an object being uploaded (a sink's ``target`` that is no path: the core's upload)."""
+        self.targets.append(str(where) if isinstance(where, (str, os.PathLike)) else where)
         return len(self.targets) - 1
 
     def add(self, tensor: LogicalTensor, targets: list[Target]) -> None:
@@ -270,7 +270,7 @@ class CopyJob:
             _join_parts(crc_ranges, found, parts)
             # an upload cannot be read back before it completes: there, bytes no copy wrote are the
             # zeros every new object starts as (as a new file's are), and the CRC joins across them
-            uploads = {i for i, t in enumerate(self.targets) if isinstance(t, _core.S3Upload)}
+            uploads = {i for i, t in enumerate(self.targets) if not isinstance(t, (str, bytearray, memoryview))}
             if uploads:
                 _join_parts(crc_ranges, found, parts, zero_gaps=uploads)
             self.crcs = self._complete_crcs(crc_ranges, found)

@@ -8,9 +8,8 @@ the target layout and the Rust executor moves the bytes once.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from .errors import CorruptCheckpointError, LayoutMismatchError, RavexError
 from .formats import registry
 from .formats.options import WriteOptions, either
 from .model import MODEL, OBJ, OPTIM, Box, Checkpoint, LogicalTensor, itemsize
-from .storage import as_path, is_remote
+from .storage import Location, as_path, resolve, walk
 from .ties import apply_ties
 from .ties import materialize as materialize_ties_in
 
@@ -195,20 +194,23 @@ def convert(
             _verify_chunks(ckpt, [n for n in ckpt.tensors if not opts.weights_only or n.startswith(MODEL)])
         dropped = left_out(src, ckpt, opts, to)
         notes = chosen + list(ckpt.notes) + [_drop_note(d) for d in dropped]
-        dst = as_path(dst)
+        out_at = resolve(dst)  # once: the writer, plan.run and the executor's sinks take this
         if o.dry_run:
             try:
                 summary = plan(out, opts)
             except _core.CorruptSourceError as exc:
                 raise CorruptCheckpointError(f"{exc.path or src}: the file does not hold what the checkpoint's metadata says ({str(exc).split(chr(10))[0]})",
                                              hint="a file is truncated or damaged; copy the checkpoint again", path=exc.path or src) from None
-            summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes, "left_out": dropped})
+            summary.update({"dry_run": True, "source_format": ckpt.format, "to": to, "dst": str(out_at), "notes": notes, "left_out": dropped})
             return summary
         # Only when asked (the CLI asks): a script under torchrun that converts on rank 0 alone
         # must not wait for ranks that never call convert.
         with durability(o.sync), spread(current() if o.distributed else Solo()):
-            result: dict[str, Any] = fmt.write(out, dst, opts, progress=progress, **keywords)
-        result.update({"source_format": ckpt.format, "to": to, "dst": str(dst), "notes": notes + list(result.get("notes", [])),
+            # A destination on a filesystem is handed over as the path it is (a writer registered from
+            # outside Ravex may write it as a file, as before); elsewhere as the location resolved here.
+            given: Path | Location = Path(out_at.key) if out_at.posix else out_at
+            result: dict[str, Any] = fmt.write(out, given, opts, progress=progress, **keywords)
+        result.update({"source_format": ckpt.format, "to": to, "dst": str(out_at), "notes": notes + list(result.get("notes", [])),
                        "left_out": dropped, "seconds": time.perf_counter() - t0, "synced": o.sync})
         return result
 
@@ -397,22 +399,11 @@ def _unread_files(root: Path, ckpt: Checkpoint) -> list[dict[str, Any]]:
     return entries
 
 
-def _walk(root: Path) -> Iterator[tuple[Path, list[str], list[str]]]:
-    """``os.walk`` of a directory, or of the objects under a prefix of a bucket."""
-    if not is_remote(root):
-        for dirpath, dirnames, filenames in os.walk(root):
-            yield Path(dirpath), dirnames, filenames
-        return
-    by_dir: dict[Path, list[str]] = {}
-    for p in root.rglob("*"):
-        if p.is_file():
-            by_dir.setdefault(p.parent, []).append(p.name)
-    for d in sorted(by_dir, key=str):
-        yield d, [], by_dir[d]
+_walk = walk
 
 
 def _key(p: Path) -> str:
-    return str(p) if is_remote(p) else os.path.realpath(p)
+    return str(p.resolve())  # a file's real path (an object in a bucket is its own)
 
 
 def reshard(src: str | Path, dst: str | Path, world_size: int, options: ConvertOptions | None = None, *,

@@ -16,7 +16,7 @@ from .errors import NotFoundError, RavexError, UnknownFormatError, from_os_error
 from .formats import registry
 from .info import CheckpointInfo
 from .model import Checkpoint
-from .storage import local_view, open_read
+from .storage import open_read, resolve
 
 __all__ = ["Detection", "detect", "inspect", "read_checkpoint"]
 
@@ -34,7 +34,7 @@ def detect(path: str | Path) -> Detection:
     Raises :class:`NotFoundError` for a missing path and
     :class:`UnknownFormatError` for anything that is not a checkpoint.
     """
-    p = local_view(path)  # an objdir: object is read where its backend keeps it (what ranged GETs would return)
+    p = resolve(path).path  # an object is read where its backend keeps it (what ranged GETs would return)
     if not p.exists():
         raise NotFoundError(
             f"{p}: no such file or directory",

@@ -28,7 +28,7 @@ from ._engine import CopyJob, Target
 from ._torchfile.archive import check_deferred, deferring
 from .errors import RavexError, from_os_error
 from .model import LogicalTensor, Region
-from .storage import resolve
+from .storage import Location, resolve
 
 __all__ = ["OutFile", "WritePlan", "assign", "copy_job", "run"]
 
@@ -165,7 +165,7 @@ def _execute(plan: WritePlan, out: Any, mine: list[OutFile], progress: Any, thre
         raise
 
 
-def run(plan: WritePlan, dst: str | Path, *, force: bool, progress: Any = None, group: Any = None) -> dict[str, Any]:
+def run(plan: WritePlan, dst: str | Path | Location, *, force: bool, progress: Any = None, group: Any = None) -> dict[str, Any]:
     """Execute ``plan`` at ``dst`` on every rank of ``group`` (default: the one
     :func:`~ravex_convert._dist.spread` set, else this process alone) and commit once. Returns the plan's summary (with
     ``ranks``: how many processes wrote)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import signal
 import sys
 import threading
@@ -243,9 +242,9 @@ def restore(path: str | Path | None = None, index: int = -1, *, weights_only: bo
     rt = _current
     if rt is None:
         raise RavexError("ravex.restore() is called outside a @ravex.train_loop function", hint="call it inside the decorated function")
-    from ravex_convert.storage import as_path
+    from ravex_convert.storage import resolve
 
-    store = as_path(path) if path is not None else rt.store
+    store = resolve(path).path if path is not None else rt.store
     ckpt, tensors = load_checkpoint(store, index)
     # All or nothing: a checkpoint that does not fit the live objects raises with none of them touched
     # (and the automatic resume, if still due, still happens at the first iteration boundary).
@@ -263,11 +262,11 @@ def restore(path: str | Path | None = None, index: int = -1, *, weights_only: bo
 def load_weights(module: Any, path: str | Path, index: int = -1, *, strict: bool = True) -> int:
     """Load only the model weights of a native store's checkpoint into ``module`` (fine-tuning); returns its step."""
     from ravex_convert.model import MODEL
-    from ravex_convert.storage import local_view
+    from ravex_convert.storage import resolve
 
     from .loading import load_checkpoint, load_state
 
-    ckpt, tensors = load_checkpoint(local_view(os.fspath(path)), index)
+    ckpt, tensors = load_checkpoint(resolve(path).path, index)
     sd = {n[len(MODEL):]: t for n, t in tensors.items() if n.startswith(MODEL)}
     load_state(module, sd, f"checkpoint {ckpt.source.get('index')} of {path}", prefix=MODEL, strict=strict, path=path)
     return int(ckpt.step or 0)

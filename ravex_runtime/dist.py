@@ -36,6 +36,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ravex_convert.storage import Location
+
 __all__ = ["Coord", "Topology", "topology"]
 
 log = logging.getLogger("ravex")
@@ -139,7 +141,7 @@ class Coord:
         self._dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def probe(self, store: str | Path) -> list[bool]:
+    def probe(self, store: str | Path | Location) -> list[bool]:
         """Which ranks see the store rank 0 sees: rank 0 leaves a token object there (through the
         storage layer), each rank looks for it in its own view of ``store``, rank 0 deletes it. By rank."""
         from ravex_convert.formats.native.store import where
@@ -152,7 +154,7 @@ class Coord:
                     w.path.mkdir(parents=True, exist_ok=True)
                 w.storage.put(w.key_of(token), self.host.encode())
             except OSError as exc:  # every rank still takes part in both exchanges below
-                log.warning("ravex: storage: cannot write the probe file in %s (%s); taking the store for not shared", w.name, exc)
+                log.warning("ravex: storage: cannot write the probe file in %s (%s); taking the store for not shared", w.label, exc)
         self.all_gather(None)  # the token is there before anyone looks
         seen = self.all_gather(w.storage.exists(w.key_of(token)))
         if self.rank == 0:

@@ -35,6 +35,7 @@ from ravex_convert._names import prefix_hint, prefix_match
 from ravex_convert.errors import LayoutMismatchError, RavexError
 from ravex_convert.model import MODEL, OPTIM, Checkpoint, LogicalTensor, Region, TensorLink
 from ravex_convert.objects import RESUMED_FROM
+from ravex_convert.storage import resolve
 
 from .loading import TS_FILE, as_shard, read_regions, shard_box
 from .sampler import _distributed_sampler, _sampler_of
@@ -77,7 +78,7 @@ class Foreign:
 def is_foreign(src: str) -> bool:
     """``src`` (a path) is no checkpoint of Ravex's own runtime: not a store, not one of its
     checkpoint directories, not a file of its torch_save backend."""
-    p = Path(src)
+    p = resolve(src).path
     if (p / "ravex-store.json").is_file() or (p / "checkpoint.json").is_file():
         return False
     return not (p.is_file() and TS_FILE.fullmatch(p.name) is not None)
@@ -100,7 +101,7 @@ def open_foreign(src: str, share: tuple[int, int] | None = None) -> Foreign:
 def open_init(src: str, share: tuple[int, int] | None = None) -> Foreign:
     """``init_from``: a Ravex store (its newest complete checkpoint) or any checkpoint
     :func:`open_foreign` takes, described, nothing loaded."""
-    p = Path(src)
+    p = resolve(src).path
     if (p / "ravex-store.json").is_file():
         from ravex_convert.formats.native import reader as native
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
 from ravex_convert.formats.native.store import LOCK, RUN_LOCK, empty_manifest, where
-from ravex_convert.storage import PreconditionFailed
+from ravex_convert.storage import Location, PreconditionFailed
 
 from .dist import PROBE_PREFIX
 from .loading import TS_FILE
@@ -77,7 +77,7 @@ class StoreLock:
     holds the store or the path is not a store; :meth:`release` gives it back.
     """
 
-    def __init__(self, path: Path, dst: str | Path, owner: str, source: str) -> None:
+    def __init__(self, path: Path, dst: str | Path | Location, owner: str, source: str) -> None:
         self.path, self.dst, self.owner, self.source = path, dst, owner, source
         # Held by the writer while it writes into the store: a fork waits for it.
         self.writing = threading.Lock()
@@ -126,20 +126,20 @@ class StoreLock:
         :meth:`release`; the writer's own lease (``<store>/lock``) is taken per write, as the lock file is locally."""
         bucket = getattr(w.storage, "root", None)
         if isinstance(bucket, str) and not os.path.isdir(bucket):
-            raise RavexError(f"storage.path {w.name}: its bucket {bucket} (the directory above the store) does not exist",
+            raise RavexError(f"storage.path {w.label}: its bucket {bucket} (the directory above the store) does not exist",
                              hint="create the bucket first (object storage has no directories to make)", path=Path(bucket))
         if w.storage.exists(w.key):
-            raise RavexError(f"storage.path {w.name} is an object, not a store (a prefix of objects)",
+            raise RavexError(f"storage.path {w.label} is an object, not a store (a prefix of objects)",
                              hint=f"set storage.path in {self.source} to another key", path=w.path)
         rels = w.objects()
         if "ravex-store.json" not in rels:
             # a "directory" of object storage exists only while objects lie under it: checkpoints/ is never empty here
-            self._refuse_foreign(w.path, {r.split("/", 1)[0]: None for r in rels}, shown=w.name)
+            self._refuse_foreign(w.path, {r.split("/", 1)[0]: None for r in rels}, shown=w.label)
         lease = w.storage.lease(w.key_of(RUN_LOCK), self.owner)
         try:
             lease.__enter__()
         except PreconditionFailed as held:
-            raise RavexError(f"{w.name}: another training run is using this checkpoint store ({held})",
+            raise RavexError(f"{w.label}: another training run is using this checkpoint store ({held})",
                              hint="only one run may write to a store at a time: stop the other run, or set storage.path (RAVEX_STORAGE_PATH) "
                                   f"to another store; a run killed on another machine leaves its lease behind: once it is certainly gone, "
                                   f"delete the object {w.shown(RUN_LOCK)}", path=w.path) from None

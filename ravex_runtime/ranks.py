@@ -27,6 +27,8 @@ from typing import Any, cast
 
 import torch
 
+from ravex_convert.storage import Location
+
 from .config import Config
 from .dist import Coord
 from .state import Snapshot, Tracked, _is_dtensor, capture, is_fsdp1, layout_of
@@ -66,7 +68,7 @@ class RankCapture:
         self._checked_replicas = False
         self._warned_per_rank = False
 
-    def join(self, dst: str | Path, path: Path) -> None:
+    def join(self, dst: str | Path | Location, path: Path) -> None:
         """Join the job's other ranks (a collective: every rank calls it at the same place): rank 0's
         run id on every rank, and a probe of whether every rank sees the store ``dst`` (``path``:
         its local view, for the message when one does not)."""

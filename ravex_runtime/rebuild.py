@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-import os
 import types
 from collections.abc import Iterable
 from pathlib import Path
@@ -153,9 +152,9 @@ def open_checkpoint(path: str | Path, index: int = -1) -> tuple[Checkpoint, Path
     """A native store's checkpoint, its metadata read and checked (no tensor yet), on any storage
     (a directory, ``objdir:PATH``, ``s3://BUCKET/PREFIX``: read where the storage layer has its bytes)."""
     from ravex_convert.formats.native import reader as native
-    from ravex_convert.storage import local_view
+    from ravex_convert.storage import resolve
 
-    store = local_view(os.fspath(path))
+    store = resolve(path).path
     return native.read(store, index), store
 
 

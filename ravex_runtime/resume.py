@@ -25,6 +25,7 @@ from ravex_convert.errors import RavexError
 from ravex_convert.formats.native import reader as native
 from ravex_convert.model import Checkpoint
 from ravex_convert.objects import INITIALISED_FROM
+from ravex_convert.storage import resolve
 
 from .checking import SAME_RUN, Plan, plan
 from .dist import Coord
@@ -223,7 +224,7 @@ class Resume:
         if isinstance(src, str) and is_foreign(src):
             return self._foreign_start(src)
         if isinstance(src, str) and src.endswith(".pt"):
-            return self._only(None, f"checkpoint {src}", load_torch_save(Path(src)))
+            return self._only(None, f"checkpoint {src}", load_torch_save(resolve(src).path))
         if isinstance(src, int) and self.backend == "torch_save":
             files = torch_save_files(self.store)
             found = files.get(src) if src >= 0 else (list(files.values())[src] if -src <= len(files) else None)
@@ -231,7 +232,7 @@ class Resume:
                 raise RavexError(f"resume_from {src}: {self.store} holds no such checkpoint (it has {len(files)})", hint="use -1 for the newest")
             return self._only(int(found.name[5:13]), f"checkpoint {found}", load_torch_save(found))
         if isinstance(src, str):
-            p = Path(src)
+            p = resolve(src).path
             if (p / "ravex-store.json").is_file():
                 self._candidates = self._native_candidates(p)
                 return self._next(first=True)

@@ -24,7 +24,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Self
 
 import torch
@@ -33,7 +32,7 @@ from ravex_convert.errors import RavexError
 from ravex_convert.model import Checkpoint
 from ravex_convert.objects import INITIALISED_FROM
 from ravex_convert.recipes import KEY as RECIPES
-from ravex_convert.storage import as_path
+from ravex_convert.storage import resolve
 
 from ._passthrough import Counted
 from .config import Config, load_config, override
@@ -113,8 +112,9 @@ class Session:
         given = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in keywords.items()
                  if not isinstance(v, _Unset) and (v is not None or k in ("keep_last", "resume_from"))}  # None is a value of these two
         self.config = cfg = override(load_config() if config is None else config, given, "ravex.Session()")
-        self.path = as_path(cfg.storage_path)  # where the store's bytes are read (an objdir store's local view, an S3Path)
-        self.dst: str | Path = cfg.store  # the store as the writers and the storage layer take it
+        # the store, resolved once: the writers, the lock and the ranks' probe take it; its bytes are read through its view
+        self.dst = resolve(cfg.store)
+        self.path = self.dst.path
         topo = topology()
         self._job = Job(run_id or time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8], topo.rank, topo.world_size)
         self._ranks: RankCapture | None = None  # the other ranks, once joined (join())

@@ -18,12 +18,6 @@ from .config import find_config_file, load_config
 __all__ = ["store_status"]
 
 
-def _default_store() -> Path:
-    from ravex_convert.storage import as_path
-
-    return as_path(load_config().storage_path)  # an objdir store's path is its local view too
-
-
 def _dir_size(d: Path) -> int:
     """The bytes of the files in ``d`` itself: a symbolic link in it is not followed (it may lead
     out of the store), and counts as nothing."""
@@ -83,9 +77,10 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
     from ravex_convert._paths import inside
     from ravex_convert.formats.native.reader import CHECKPOINT, MANIFEST, STORE_MARKER, read_manifest
     from ravex_convert.objects import INITIALISED_FROM
-    from ravex_convert.storage import is_remote, local_view, resolve
+    from ravex_convert.storage import resolve
 
-    store = local_view(path) if path is not None else _default_store()
+    where = resolve(path if path is not None else load_config().store)
+    store = where.path
     if not (store / STORE_MARKER).is_file():
         raise NotFoundError(f"{store}: not a Ravex store (no {STORE_MARKER})",
                             hint="give the store directory (storage.path in ravex.yaml) or run where ravex.yaml is", path=store)
@@ -111,13 +106,13 @@ def store_status(path: str | Path | None = None) -> dict[str, Any]:
     cfg = find_config_file()
     out: dict[str, Any] = {"store": str(store), "config": str(cfg) if cfg else None, "checkpoints": rows, "resume": resume,
            "note": "a resume verifies checksums and falls back to the previous checkpoint when the newest is damaged"}
-    if not is_remote(store):
+    if where.posix:
         from .replica_area import status as replica_status
 
         # replicate_every: where this store's copies are (and how old), and the replicas this machine holds
         out["replicas"] = replica_status(store)
-    if is_remote(store):
+    unfinished = getattr(where.storage, "unfinished", None)
+    if unfinished is not None:
         # multipart uploads a killed writer left (invisible, billed, aborted by the next write to the store)
-        storage, key = resolve(str(store))
-        out["unfinished_uploads"] = len(storage.unfinished(key))  # type: ignore[attr-defined]
+        out["unfinished_uploads"] = len(unfinished(where.key))
     return out

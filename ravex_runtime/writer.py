@@ -35,7 +35,7 @@ from ravex_convert.errors import RavexError
 from ravex_convert.formats import torch_save
 from ravex_convert.formats.native import writer as native_write
 from ravex_convert.model import Checkpoint
-from ravex_convert.storage import resolve
+from ravex_convert.storage import Location, resolve
 
 from .config import Config
 from .dist import StoreGroup
@@ -89,7 +89,7 @@ class Writer:
         on_error: called with the reason, on the writer thread, when a write fails.
     """
 
-    def __init__(self, config: Config, path: Path, dst: str | Path, job: Job, resume: Resume, guard: threading.Lock,
+    def __init__(self, config: Config, path: Path, dst: Location, job: Job, resume: Resume, guard: threading.Lock,
                  on_error: Callable[[str], None] | None = None) -> None:
         self.config, self.path, self.dst, self.job, self.resume = config, path, dst, job, resume
         self.error: str | None = None  # why writing stopped: the first background write that failed
@@ -217,9 +217,9 @@ class Writer:
                     storage, key = resolve(self._in_store(files[i].name))
                     storage.delete(key)
 
-    def _in_store(self, name: str) -> Path:
-        """``name`` in the store, spelled for the storage layer (``objdir:`` kept: a Path keeps it)."""
-        return Path(self.dst) / name
+    def _in_store(self, name: str) -> Location:
+        """``name`` in the store, on the store's backend."""
+        return self.dst / name
 
     def _may_prune(self) -> bool:
         """keep_last is not applied in a run that skipped a checkpoint of its store it could not read or

@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 from .._dtypes import DTYPE_SIZES, SCALAR_DTYPES, scalar_value
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError, from_os_error
-from ..storage import as_path, core_source, is_remote, open_read
+from ..storage import as_path, core_source, open_read
 from .unpickle import Record, StorageRef, TensorRef, max_pickle_bytes, restricted_loads
 
 __all__ = ["TorchArchive", "check_archive", "check_deferred", "crc_enabled", "deferred_crcs", "deferring", "gather_strided", "is_torch_zip",
@@ -515,7 +515,10 @@ def _check(entries: Sequence[tuple[TorchArchive, str]], pieces: dict[str, list[t
         except OSError as exc:
             raise from_os_error(exc, path=es[0][0].path) from None
         except ValueError:  # a range past the end of the file: truncated since it was opened
-            size = Path(path).stat().st_size if not is_remote(path) and os.path.exists(path) else 0
+            try:
+                size = as_path(path).stat().st_size
+            except OSError:
+                size = 0
             a = next((a for a, k in es if a.storage_offsets[k] + a.storage_sizes[k] > size), es[0][0])
             raise CorruptCheckpointError(f"{a.where or a.path}: the file is shorter than its zip directory says",
                                          hint="the file is truncated; copy it again", path=a.path) from None

@@ -53,6 +53,7 @@ from ..errors import IncompleteCheckpointError, LayoutMismatchError, RavexError,
 from ..info import CheckpointInfo, FileInfo, OptimizerInfo, TensorInfo
 from ..model import MODEL, OPTIM, Checkpoint
 from ..plan import OutFile, WritePlan, run
+from ..storage import Location
 from . import safetensors
 from ._framework import FILES, carried_files, carry_rest, names_by_shape, read_optimizer, read_small, small_file, training_files
 from .dcp import reader as dcp
@@ -214,7 +215,7 @@ def _describe_fsdp(path: Path, reasons: list[str]) -> CheckpointInfo:
     return info
 
 
-def _plan_fsdp(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
+def _plan_fsdp(ckpt: Checkpoint, dst: Path | Location, opts: Options) -> WritePlan:
     """The FSDP layout: ``pytorch_model_fsdp_0/`` and ``optimizer_0/``, each a DCP
     checkpoint as FSDP2 shards it at ``opts.world_size`` ranks (the DCP writer,
     keyed ``model`` and ``optimizer`` as Accelerate saves them), their two
@@ -297,7 +298,7 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
     return info
 
 
-def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
+def plan_write(ckpt: Checkpoint, dst: Path | Location, opts: Options) -> WritePlan:
     """A directory ``accelerator.load_state`` accepts: ``model.safetensors``,
     ``optimizer.bin`` keyed by position in its groups' order, ``scheduler.bin``,
     and every carried file back byte for byte (the RNG states among them).
@@ -314,6 +315,6 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
     return WritePlan(True, files, [], summary, threads=opts.threads)
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+def write(ckpt: Checkpoint, dst: Path | Location, opts: Options, progress: Any = None) -> dict[str, Any]:
     """:func:`plan_write`, executed and committed."""
     return run(plan_write(ckpt, dst, opts), dst, force=opts.force, progress=progress)

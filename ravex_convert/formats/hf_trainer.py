@@ -44,6 +44,7 @@ from ..errors import CorruptCheckpointError, RavexError, UnknownFormatError
 from ..info import CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Checkpoint
 from ..plan import OutFile, WritePlan, run
+from ..storage import Location
 from . import safetensors
 from ._framework import FILES, carried_files, carry_rest, read_optimizer, read_small, training_files
 from .options import WriteOptions, option
@@ -225,7 +226,7 @@ def describe(path: Path, reasons: list[str], param_names: list[str] | None = Non
     return info
 
 
-def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int | None = None, precision: str | None = None) -> WritePlan:
+def plan_write(ckpt: Checkpoint, dst: Path | Location, opts: Options, *, zero_stage: int | None = None, precision: str | None = None) -> WritePlan:
     """A ``checkpoint-N`` directory the Trainer resumes from. Plain: the
     weights as ``model.safetensors`` (shards and index with
     ``max_shard_size``), the optimizer as ``optimizer.pt`` keyed by position in
@@ -236,7 +237,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int | 
     byte for byte."""
     if dst.suffix == ".safetensors":
         raise RavexError(f"{dst}: a Trainer checkpoint is a directory (checkpoint-N), not a .safetensors file",
-                         hint="name the output directory, e.g. checkpoint-100; --to safetensors writes weights alone", path=dst)
+                         hint="name the output directory, e.g. checkpoint-100; --to safetensors writes weights alone", path=str(dst))
     stage = zero_stage or (ckpt.objects.get("zero") or {}).get("stage")
     if isinstance(stage, int):
         from .zero.writer import plan_write as zero_plan
@@ -246,7 +247,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int | 
     else:
         if opts.world_size > 1:
             raise RavexError(f"{dst}: a plain Trainer checkpoint has no ranks (every rank of a DDP run holds the same state), so --world-size {opts.world_size} has nothing to shard",
-                             hint="leave --world-size out, or give --zero-stage to write the checkpoint of a Trainer run under DeepSpeed", path=dst)
+                             hint="leave --world-size out, or give --zero-stage to write the checkpoint of a Trainer run under DeepSpeed", path=str(dst))
         inner = safetensors.plan_write(ckpt, dst, opts)
         files = list(inner.files) + training_files(ckpt, OPTIMIZER, SCHEDULER, opts)
     state = (ckpt.objects.get("extra") or {}).get("trainer_state")
@@ -263,7 +264,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int | 
     return WritePlan(True, files, inner.commit, summary, threads=opts.threads)
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, zero_stage: int | None = None,
+def write(ckpt: Checkpoint, dst: Path | Location, opts: Options, progress: Any = None, *, zero_stage: int | None = None,
           precision: str | None = None) -> dict[str, Any]:
     """:func:`plan_write`, executed and committed."""
     return run(plan_write(ckpt, dst, opts, zero_stage=zero_stage, precision=precision), dst, force=opts.force, progress=progress)

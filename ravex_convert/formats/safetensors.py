@@ -27,7 +27,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError, RavexErr
 from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, Box, Checkpoint, Chunk, LogicalTensor, itemsize, numel
 from ..plan import OutFile, WritePlan, run
-from ..storage import open_read
+from ..storage import Location, open_read
 from ..ties import config_ties
 from .options import Flag, WriteOptions, option, parse_size
 
@@ -313,7 +313,7 @@ def _header(tensors: list[LogicalTensor], opts: Options, metadata: dict[str, str
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
-def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
+def plan_write(ckpt: Checkpoint, dst: Path | Location, opts: Options) -> WritePlan:
     """Weights only: ``model/*`` tensors as safetensors. DST ending in
     ``.safetensors`` is one file; otherwise a directory with ``model.safetensors``
     or, with ``max_shard_size``, shards and ``model.safetensors.index.json``.
@@ -354,6 +354,6 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options) -> WritePlan:
     return WritePlan(not single, files, commit, summary, threads=opts.threads)
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None) -> dict[str, Any]:
+def write(ckpt: Checkpoint, dst: Path | Location, opts: Options, progress: Any = None) -> dict[str, Any]:
     """:func:`plan_write`, executed and committed."""
     return run(plan_write(ckpt, dst, opts), dst, force=opts.force, progress=progress)

@@ -35,6 +35,7 @@ from ..info import NO_PARAM_MARKS, CheckpointInfo, FileInfo, TensorInfo
 from ..model import MODEL, OBJ, OPTIM, Checkpoint, itemsize
 from ..objects import key_of
 from ..plan import OutFile, WritePlan, run
+from ..storage import Location
 from . import _nesting as state_tree
 from .options import LAYOUT, WriteOptions, option
 from .small_state import read_objects, tensor_chunk, to_pickle
@@ -423,7 +424,7 @@ def _lightning_keys(ckpt: Checkpoint, root: dict[str, Any], outs: dict[str, Tens
     return set(named)
 
 
-def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, layout: str | None = None) -> WritePlan:
+def plan_write(ckpt: Checkpoint, dst: Path | Location, opts: Options, layout: str | None = None) -> WritePlan:
     """One ``torch.save`` file that ``torch.load(weights_only=True)`` reads, tied
     names all present, sharing one storage. ``layout``: ``"source"`` (None) puts
     the model and optimizer where the source's reader recorded them (a torch.save
@@ -494,6 +495,6 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, layout: str | None = 
     return WritePlan(False, [out], summary=summary, threads=opts.threads)
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, layout: str | None = None) -> dict[str, Any]:
+def write(ckpt: Checkpoint, dst: Path | Location, opts: Options, progress: Any = None, *, layout: str | None = None) -> dict[str, Any]:
     """:func:`plan_write`, executed and committed."""
     return run(plan_write(ckpt, dst, opts, layout), dst, force=opts.force, progress=progress)

@@ -57,6 +57,7 @@ from ..._torchfile.write import STORAGE_TYPES, StorageOut, TensorOut, ZipLayout,
 from ...errors import RavexError
 from ...model import MODEL, OPTIM, Box, Checkpoint, TensorLink, itemsize, numel
 from ...plan import OutFile, WritePlan, run
+from ...storage import Location
 from .reader import METADATA
 
 __all__ = ["METADATA_FORMS", "plan_write", "write"]
@@ -357,7 +358,7 @@ def _file_name(rank: int) -> str:
 # ---------------------------------------------------------------- writing
 
 
-def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, metadata_form: str = "current", layout: str | None = None) -> WritePlan:
+def plan_write(ckpt: Checkpoint, dst: Path | Location, opts: Options, *, metadata_form: str = "current", layout: str | None = None) -> WritePlan:
     """Plan ``ckpt`` as a DCP checkpoint directory sharded as FSDP2 shards at
     ``opts.world_size`` ranks (see the module docstring), built beside ``dst``
     and renamed into place; ``.metadata`` is written last. ``metadata_form``:
@@ -424,7 +425,7 @@ def _finisher(items: list[_Item]) -> Callable[[list[int]], list[tuple[int, bytes
     return finish
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Any = None, *, metadata_form: str = "current",
+def write(ckpt: Checkpoint, dst: Path | Location, opts: Options, progress: Any = None, *, metadata_form: str = "current",
           layout: str | None = None) -> dict[str, Any]:
     """:func:`plan_write`, executed and committed (``layout``: one of :data:`LAYOUTS`)."""
     return run(plan_write(ckpt, dst, opts, metadata_form=metadata_form, layout=layout), dst, force=opts.force, progress=progress)

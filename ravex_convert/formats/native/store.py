@@ -9,7 +9,7 @@ to ``<name>.tmp-<run_id>``, fsynced and renamed, directories swept with
 has no rename, no directory and no flock: its lock is a lease object created
 only if absent, its manifest one put conditional on the generation the writer
 read (the commit point), and its sweep lists keys and deletes objects.
-Readers open either kind through its local view (:func:`~ravex_convert.storage.local_view`).
+Readers open either kind through its view (:attr:`~ravex_convert.storage.Location.path`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 from ..._output import fsync_dir, fsync_fd
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, UnsafeCheckpointError
-from ...storage import ABSENT, PreconditionFailed, Storage, as_path, is_objdir, resolve
+from ...storage import ABSENT, Location, PreconditionFailed, resolve
 from . import reader as native
 from .check import check_manifest
 from .reader import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
@@ -52,52 +52,12 @@ _LINK_HINT = ("a store's own files and directories are never links; replace the 
 # ---------------------------------------------------------------- where the store lives
 
 
-@dataclass(frozen=True)
-class Where:
-    """A store: its backend, its key there, the local view readers open, and its name in messages."""
-
-    storage: Storage
-    key: str  # local: the path as given; object storage: the store's key in its bucket
-    path: Path  # what readers open (an object's backing file on objdir)
-    name: str  # how messages name the store
-
-    @property
-    def posix(self) -> bool:
-        return self.storage.scheme == "file"
-
-    def key_of(self, rel: str) -> str:
-        return str(Path(self.key) / rel) if self.posix else f"{self.key}/{rel}"
-
-    def dst(self, rel: str) -> str | Path:
-        """``rel`` under the store, spelled as ``plan.run`` resolves it to this store's backend
-        (on object storage: a key of the store's bucket, which the lease holds in use)."""
-        if self.posix:
-            return self.path / rel
-        return str(self.path / rel) if self.storage.scheme == "s3" else f"objdir:{self.path / rel}"
-
-    def shown(self, rel: str) -> str:
-        return f"objdir://{self.path / rel}" if self.name.startswith("objdir:") else str(self.path / rel)
-
-    def objects(self, rel: str = "") -> list[str]:
-        """Object storage: every key under the store (or under ``rel`` in it), relative to the store."""
-        prefix = self.key_of(rel) if rel else self.key
-        return [k[len(self.key) + 1:] for k in self.storage.list(prefix)]
-
-    def exists(self) -> bool:
-        if self.posix:
-            return self.path.exists()
-        return bool(self.storage.list(self.key)) or self.storage.exists(self.key)
+# A store: its backend, its key there, the view readers open, its name in messages (resolved once).
+Where = Location
 
 
-def where(store: str | Path) -> Where:
-    storage, key = resolve(store)
-    if storage.scheme == "file":
-        return Where(storage, key, Path(key), str(Path(key)))
-    if storage.scheme == "s3":  # readers open an S3Path: listings and ranged GETs
-        path = as_path(os.fspath(store))
-        return Where(storage, key, path, str(path))
-    path = storage.local_path(key)
-    return Where(storage, key, path, f"objdir://{path}" if is_objdir(store) else str(path))
+def where(store: str | Path | Location) -> Where:
+    return resolve(store)
 
 
 # ---------------------------------------------------------------- the lock
@@ -118,7 +78,7 @@ def locked(w: Where, run_id: str) -> Iterator[None]:
             if not w.posix:
                 hint += (f"; on object storage a writer killed on another machine leaves its lease behind: once it is certainly gone, "
                          f"delete the object {w.shown(LOCK)}")
-            raise RavexError(f"{w.name}: another process is writing to this store ({held}); Ravex does not wait for it",
+            raise RavexError(f"{w.label}: another process is writing to this store ({held}); Ravex does not wait for it",
                              hint=hint, path=w.path) from None
         except OSError as exc:
             if w.posix and exc.errno == errno.ELOOP:
@@ -199,7 +159,7 @@ def write_manifest(w: Where, manifest: dict[str, Any], run_id: str, generation: 
         w.storage.put(w.key_of(MANIFEST), _json_bytes(manifest, 1), if_generation=generation, staging=tmp)
     except PreconditionFailed:
         raise RavexError(
-            f"{w.name}: {MANIFEST} changed while this writer held the store's lock (another writer that ignored the lock, or an "
+            f"{w.label}: {MANIFEST} changed while this writer held the store's lock (another writer that ignored the lock, or an "
             "edit by hand), so nothing was committed: the checkpoint being written is not in the store",
             hint="make sure only one process writes to the store, then write again (the next write removes what this one left)",
             path=w.path) from None
@@ -234,7 +194,7 @@ def _creation_leftover(p: Path) -> bool:
 def _lost_marker(w: Where, held: list[str]) -> IncompleteCheckpointError:
     # A store that lost its marker is still a store: starting a fresh one here would discard its checkpoints.
     return IncompleteCheckpointError(
-        f"{w.name}: has {' and '.join(held)} but no {STORE_MARKER}: a Ravex store that lost its marker file "
+        f"{w.label}: has {' and '.join(held)} but no {STORE_MARKER}: a Ravex store that lost its marker file "
         "(or a damaged one); Ravex will not start a new store over its checkpoints",
         hint=f"restore {STORE_MARKER} from a copy of the store (then the store can be written again), or write to another directory",
         path=w.path,
@@ -244,7 +204,7 @@ def _lost_marker(w: Where, held: list[str]) -> IncompleteCheckpointError:
 def _not_a_store(w: Where, other: list[str]) -> RavexError:
     shown = ", ".join(other[:5]) + (", ..." if len(other) > 5 else "")
     return RavexError(
-        f"{w.name}: exists and is not a Ravex store (no {STORE_MARKER}; it holds {shown})",
+        f"{w.label}: exists and is not a Ravex store (no {STORE_MARKER}; it holds {shown})",
         hint="write to a new or empty directory, or to an existing store (a directory with ravex-store.json)",
         path=w.path,
     )
@@ -279,11 +239,11 @@ def prepare(w: Where) -> None:
 def _prepare_objects(w: Where) -> None:
     if w.path.is_dir():
         refuse_links(w.path)
-    bucket = getattr(w.storage, "root", None)
-    if w.name.startswith("objdir:") and isinstance(bucket, str) and not os.path.isdir(bucket):
+    bucket = w.missing_bucket()
+    if bucket is not None:
         raise RavexError(f"{bucket}: the store's bucket (directory) does not exist", hint="create it first", path=Path(bucket))
     if w.storage.exists(w.key):
-        raise RavexError(f"{w.name}: exists and is an object, not a directory (a prefix of objects), so it cannot be a Ravex store",
+        raise RavexError(f"{w.label}: exists and is an object, not a directory (a prefix of objects), so it cannot be a Ravex store",
                          hint="choose another destination", path=w.path)
     rels = w.objects()
     if STORE_MARKER in rels:
@@ -318,7 +278,7 @@ def create(w: Where, run_id: str) -> None:
         w.storage.put(w.key_of(MANIFEST), _json_bytes(manifest, 1), if_generation=manifest_generation(w))
         w.storage.put(w.key_of(STORE_MARKER), _json_bytes(marker, 1), if_generation=ABSENT)
     except PreconditionFailed:
-        raise RavexError(f"{w.name}: another writer created this store at the same time, ignoring its lock",
+        raise RavexError(f"{w.label}: another writer created this store at the same time, ignoring its lock",
                          hint="make sure only one process writes to the store, then write again", path=w.path) from None
 
 
@@ -396,7 +356,7 @@ def sweep(w: Where, entries: list[Entry]) -> list[str]:
     checkpoint references. Returns warnings."""
     broken = [e for e in entries if e.problem is not None]
     if broken:
-        return [f"{w.name}: checkpoint {e.index} is not loadable ({e.problem}); the sweep deleted nothing" for e in broken]
+        return [f"{w.label}: checkpoint {e.index} is not loadable ({e.problem}); the sweep deleted nothing" for e in broken]
     refs = frozenset().union(*(e.refs for e in entries))
     listed = {str(e.entry["dir"]).rsplit("/", 1)[-1] for e in entries}
     return _sweep_dirs(w.path, refs, listed) if w.posix else _sweep_objects(w, refs, listed)

@@ -351,7 +351,7 @@ def _listed(store: Path, index: int) -> bool:
         return False
 
 
-def write(ckpt: Checkpoint, store: Path | str, opts: Options, *, run_id: str | None = None,
+def write(ckpt: Checkpoint, store: Path | str | Where, opts: Options, *, run_id: str | None = None,
           progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Append ``ckpt`` to the store at ``store`` as a new checkpoint (creating the
     store in an absent or empty directory) and commit it.
@@ -390,11 +390,11 @@ def write(ckpt: Checkpoint, store: Path | str, opts: Options, *, run_id: str | N
             except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
                 if fresh and not _listed_any(w.path):
                     remove_store(w)
-                refused = RavexError(f"{w.name}: writing the store failed: {exc}", hint=_IO_HINT, path=w.path) \
+                refused = RavexError(f"{w.label}: writing the store failed: {exc}", hint=_IO_HINT, path=w.path) \
                     if isinstance(exc, OSError) else exc
                 if group.size == 1:
                     raise refused from (exc if refused is not exc else None)
-                decided = (refused.message, refused.hint) if isinstance(refused, RavexError) else (f"{w.name}: {refused}", _IO_HINT)
+                decided = (refused.message, refused.hint) if isinstance(refused, RavexError) else (f"{w.label}: {refused}", _IO_HINT)
         decided = group.broadcast(decided)
         if refused is not None:
             raise refused  # rank 0 in its own words; the others below
@@ -423,7 +423,7 @@ def _begin(w: Where, run_id: str, outs: list[_Out], opts: Options, held: context
     manifest, generation, entries, highest, warnings = open_store(w)
     index = max(int(manifest["next_index"]), highest + 1)
     if index > MAX_INDEX:
-        raise RavexError(f"{w.name}: the store has used every checkpoint index (up to {MAX_INDEX})", hint="start a new store", path=w.path)
+        raise RavexError(f"{w.label}: the store has used every checkpoint index (up to {MAX_INDEX})", hint="start a new store", path=w.path)
     loadable = [e for e in entries if e.problem is None]
     _reuse(w.path, outs, loadable[-1] if loadable else None, opts.compression)
     return {"index": index, "entries": [o.entry for o in outs], "warnings": warnings, "manifest": manifest, "generation": generation}
@@ -491,7 +491,7 @@ def _commit(ckpt: Checkpoint, w: Where, opts: Options, run_id: str, outs: list[_
             raise
 
     plan = WritePlan(True, files, commit, threads=opts.threads, staging=f"{index:08d}.tmp-{run_id}", after=after)
-    done = run(plan, w.dst(rel_dir), force=False, progress=progress)
+    done = run(plan, w.child(rel_dir), force=False, progress=progress)
     bytes_written = sum(r[3] for r in done["sealed"].values())
     return {
         "index": index, "dir": w.shown(rel_dir), "step": step, "tensors": len(tensors), "aliases": len(ckpt.aliases), "bytes": logical,
@@ -500,7 +500,7 @@ def _commit(ckpt: Checkpoint, w: Where, opts: Options, run_id: str, outs: list[_
     }
 
 
-def prune(store: Path | str, keep_last: int, *, pinned: set[int] | frozenset[int] = frozenset()) -> list[int]:
+def prune(store: Path | str | Where, keep_last: int, *, pinned: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """Keep the ``keep_last`` newest loadable checkpoints, every pinned one and
     every one that is not loadable; drop the rest from the manifest, then sweep
     their files (section 5). Returns the indices dropped, in order."""
@@ -508,7 +508,7 @@ def prune(store: Path | str, keep_last: int, *, pinned: set[int] | frozenset[int
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
         raise RavexError(f"keep_last {keep_last!r}: keep at least one checkpoint", hint="use keep_last >= 1")
     if not (w.path / STORE_MARKER).is_file():
-        raise NotFoundError(f"{w.name}: not a Ravex store (no {STORE_MARKER})", hint="point at the store directory", path=w.path)
+        raise NotFoundError(f"{w.label}: not a Ravex store (no {STORE_MARKER})", hint="point at the store directory", path=w.path)
     if w.posix or w.path.is_dir():
         refuse_links(w.path)
     run_id = uuid.uuid4().hex[:12]
@@ -524,4 +524,4 @@ def prune(store: Path | str, keep_last: int, *, pinned: set[int] | frozenset[int
                 sweep(w, kept)
             return dropped
     except OSError as exc:
-        raise RavexError(f"{w.name}: pruning the store failed: {exc}", hint=_IO_HINT, path=w.path) from exc
+        raise RavexError(f"{w.label}: pruning the store failed: {exc}", hint=_IO_HINT, path=w.path) from exc

@@ -50,6 +50,7 @@ from ..._torchfile.write import PickleObject, TensorOut
 from ...errors import RavexError
 from ...model import MODEL, Box, Checkpoint, Flat, TensorLink, itemsize
 from ...plan import OutFile, WritePlan, run
+from ...storage import Location
 from . import reader as zero
 from .layout import Piece, stage3_partition
 from .write_layout import ArchiveOut, FlatGroup, Stage3Layout, archive_files, by_rank, plan_flat_group, plan_stage3
@@ -266,7 +267,7 @@ def _archives(plan: Plan, ckpt: Checkpoint) -> list[ArchiveOut]:
     return out
 
 
-def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int, precision: str | None = None, tag: str | None = None,
+def plan_write(ckpt: Checkpoint, dst: Path | Location, opts: Options, *, zero_stage: int, precision: str | None = None, tag: str | None = None,
                buffers: Collection[str] | None = None, hyperparameters: Sequence[Mapping[str, Any]] | None = None) -> WritePlan:
     """Plan ``ckpt`` as a DeepSpeed ZeRO-``zero_stage`` checkpoint directory for
     ``opts.world_size`` ranks at ``dst`` (built beside it, renamed into place;
@@ -301,7 +302,7 @@ def plan_write(ckpt: Checkpoint, dst: Path, opts: Options, *, zero_stage: int, p
     return WritePlan(True, files, [(zero.LATEST, plan.tag.encode())], summary, threads=opts.threads)
 
 
-def write(ckpt: Checkpoint, dst: Path, opts: Options, progress: Callable[[int], None] | None = None, *, zero_stage: int,
+def write(ckpt: Checkpoint, dst: Path | Location, opts: Options, progress: Callable[[int], None] | None = None, *, zero_stage: int,
           precision: str | None = None, tag: str | None = None, buffers: Collection[str] | None = None,
           hyperparameters: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """:func:`plan_write`, executed and committed."""
