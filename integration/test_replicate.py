@@ -34,7 +34,9 @@ from test_dist_runtime import (
     Job,
     _job_env,
     assert_checkpoints_hold_their_steps,
+    assert_epoch_covered_once,
     assert_like_reference,
+    by_step,
     checkpoints,
     finish,
     free_port,
@@ -50,6 +52,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed,
 
 STORE = "ravex_checkpoints"  # storage.path, relative: on each machine's own disk
 TIMEOUT = 120.0
+ELASTIC_LAST_CALL_S = 10
 
 
 def machines(tmp: Path, n: int) -> list[Path]:
@@ -61,8 +64,11 @@ def machines(tmp: Path, n: int) -> list[Path]:
     return out
 
 
-def launch_machines(tmp: Path, dirs: list[Path], mode: str, opts: dict[str, Any], env: dict[str, Any]) -> list[Job]:
-    """One torchrun agent per machine, one rank each: machine i holds rank i."""
+def launch_machines(tmp: Path, dirs: list[Path], mode: str, opts: dict[str, Any], env: dict[str, Any], *,
+                    rendezvous: int | None = None) -> list[Job]:
+    """One torchrun agent per machine, one rank each: machine i holds rank i. ``rendezvous``: an
+    elastic job (``--nnodes 1:M``, up to 3 restarts) whose agents meet at the c10d store listening
+    on that port, which no machine hosts (a machine lost must not take the rendezvous with it)."""
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     port = free_port()
@@ -70,8 +76,15 @@ def launch_machines(tmp: Path, dirs: list[Path], mode: str, opts: dict[str, Any]
     for i, d in enumerate(dirs):
         o, full, what = _job_env(d, "run", 1, {**MODES[mode], **opts, "outdir": str(logs)}, env, d / STORE)
         full["RAVEX_STORAGE_PATH"] = STORE  # relative: each machine's own directory
-        torchrun = [sys.executable, "-P", "-m", "torch.distributed.run", "--nnodes", str(len(dirs)), "--node_rank", str(i),
-                    "--master_addr", "127.0.0.1", "--master_port", str(port), "--nproc_per_node", "1", "--log-dir", str(d.parent / f"torchrun-{d.name}-{time.monotonic_ns()}"),
+        if rendezvous is None:
+            where = ["--nnodes", str(len(dirs)), "--node_rank", str(i), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        else:
+            # last_call: how long a restarted agent waits for machines beyond the minimum (also how late
+            # the second machine may start); the dead one leaves the rendezvous after 3 missed heartbeats (15 s)
+            where = ["--nnodes", f"1:{len(dirs)}", "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rendezvous}",
+                     "--rdzv-id", "shrink", "--rdzv-conf", f"is_host=false,last_call_timeout={ELASTIC_LAST_CALL_S}", "--local-addr", "127.0.0.1",
+                     "--monitor-interval", "0.2"]
+        torchrun = [sys.executable, "-P", "-m", "torch.distributed.run", *where, "--nproc_per_node", "1", "--log-dir", str(d.parent / f"torchrun-{d.name}-{time.monotonic_ns()}"),
                     "--redirects", "3", "--shutdown-timeout", str(SHUTDOWN_S), str(SCRIPT), json.dumps({**o, "tag": "run"})]
         host = f"node-{chr(ord('a') + i)}"
         cmd = ["unshare", "-u", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *torchrun]
@@ -182,3 +195,53 @@ def kill_all_jobs(jobs: list[Job]) -> None:
     """Every machine at once: each agent and every process it started."""
     for j in jobs:
         kill_all(j)
+
+
+def test_an_elastic_job_that_loses_a_machine_goes_on_alone_from_the_replica(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """``torchrun --nnodes 1:2 --max-restarts 3`` on two machines, DDP, gather, ``replicate_every: 2``.
+    Machine a (rank 0, the store's writer) is lost after the copy of step 6 committed on machine b.
+    b's agent restarts its worker alone, at world size 1, as rank 0: the newest checkpoint it can
+    reach is the replica on its own disk, which goes into its store, and the run goes on from it to
+    the end. Exact after the change (docs/runtime.md): the weights, optimizer and step the checkpoint
+    holds, and the epoch in progress trained on once; the batches, and so the losses, differ."""
+    import torch.distributed as dist
+
+    mode, every = "ddp", 2
+    ref = request.getfixturevalue("reference")(2, mode)
+    dirs = machines(tmp_path, 2)
+    logs = tmp_path / "logs"
+    port = free_port()
+    rdzv = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the rendezvous, on neither machine
+    try:
+        jobs = launch_machines(tmp_path, dirs, mode, {"sleep": 0.15}, {"RAVEX_REPLICATE_EVERY": every}, rendezvous=port)
+        replica = dirs[1] / f"{STORE}.replicas" / "rank00000"
+        wait_until(jobs, "a replica committed on machine b", lambda: bool(complete(replica)))
+        copied = complete(replica)[-1]
+        kill_all(jobs[0])  # machine a is lost; machine b's agent lives on
+        lost = finish(jobs[0])
+        assert lost.rc != 0, lost.report()
+        before = seen(logs, "run", 2)
+        reached = max(ln.step for ln in read_log(logs, "run", 1))
+        assert 0 < before[1] and reached < MAX_STEPS, f"the job was not interrupted (rank 1 reached step {reached})\n{lost.report()}"
+        b = ok(finish(jobs[1], timeout=TIMEOUT + 60))
+    finally:
+        del rdzv
+    text = "\n".join(b.ranks.values())
+    step = int(copied["step"])
+    assert f"checkpoint {copied['index']} (step {step}) taken from the replica on this machine" in text, b.report()
+    assert "resuming from checkpoint" in text, b.report()
+
+    # the restarted worker is rank 0 of a job of one, from the replica's step to the end
+    after = by_step(read_log(logs, "run", 0)[before[0]:], "machine b, restarted as rank 0")
+    assert sorted(after) == list(range(step + 1, MAX_STEPS + 1)), sorted(after)
+    assert after[step + 1].before == ref.logs[0][step + 1].before, "the restart did not start from the checkpoint's weights"
+    out = json.loads((logs / "out-run.json").read_text())
+    assert out["world_size"] == 1 and out["step"] == MAX_STEPS, out
+    # the epoch in progress: trained on once, by two ranks before the checkpoint and one after it
+    epoch = after[step + 1].epoch
+    parts = [ln for r in range(2) for s, ln in ref.logs[r].items() if s <= step] + list(after.values())
+    assert epoch + 1 in {ln.epoch for ln in parts}, "the epoch did not end within the run"
+    assert_epoch_covered_once(epoch, parts, 1)
+    # machine b's store holds the copy's checkpoint, and what the run went on to write
+    own = complete(dirs[1] / STORE)
+    assert own[0]["index"] >= copied["index"] and int(own[-1]["step"]) == MAX_STEPS, own

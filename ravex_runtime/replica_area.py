@@ -32,8 +32,8 @@ from typing import IO, Any, Self
 from ravex_convert._output import fsync_dir, fsync_fd
 from ravex_convert.errors import RavexError
 
-__all__ = ["AREA_SUFFIX", "COPIES", "Ingest", "area_of", "checkpoint_files", "held_here", "newest", "read_copies", "record_copy",
-           "replica_of"]
+__all__ = ["AREA_SUFFIX", "COPIES", "Ingest", "adopt", "area_of", "checkpoint_files", "held_here", "newest", "read_copies",
+           "record_copy", "replica_of"]
 
 AREA_SUFFIX = ".replicas"
 COPIES = "copies.json"
@@ -199,6 +199,29 @@ class Ingest:
         except BaseException:
             remove_checkpoint(self._w, self.rel_dir)
             raise
+
+
+def adopt(store: Path, rank: int, run_id: str) -> dict[str, Any] | None:
+    """The newest checkpoint of the replica of rank ``rank``'s store that this machine holds, added to
+    ``store`` (this machine's own) when that store lacks it: a job restarted with fewer machines, whose
+    store's rank now runs on the machine that held the copy. The store's commit protocol and checks
+    (:class:`Ingest`). Its manifest entry, or None where the store has it or something newer."""
+    import shutil
+
+    held = held_here(store).get(rank)
+    best = newest(held) if held is not None else None
+    if held is None or best is None:
+        return None
+    own = newest(store)
+    if own is not None and int(own["index"]) >= int(best["index"]):
+        return None
+    files = checkpoint_files(held, best)
+    with Ingest(store, best, run_id) as ingest:
+        for rel in ingest.need([(rel, (held / rel).stat().st_size) for rel in files]):
+            with ingest.open(rel) as out, open(held / rel, "rb") as src:
+                shutil.copyfileobj(src, out, 16 << 20)
+        ingest.commit()
+    return best
 
 
 # ---------------------------------------------------------------- copies.json: where a store's copies are

@@ -43,6 +43,7 @@ from .ranks import RankCapture
 from .recipe import Recorder
 from .replica import Replicator
 from .replica import start as start_replica
+from .replica_area import adopt, replica_of
 from .restoring import restore_into
 from .resume import Resume
 from .state import Snapshot, Tracked, capture, links, unflatten
@@ -378,18 +379,41 @@ class Session:
         elif not self._prepared:
             self.prepare_restore()
         self._prepared = False
-        if self.join():
+        joined = self.join()
+        if joined or self.world_size == 1:
+            self._newest_anywhere(index)
+        if joined:
             assert self._ranks is not None
-            if self._replica is not None and not self._fetched:
-                # replicate_every: the newest checkpoint that survived anywhere reaches this store first
-                self._fetched = True
-                if index is None and not self.config.fresh and self.config.resume_from is None and self._replica.fetch():
-                    self._resume.pending = self._resume.find(None)
-                self._replica.begin()
             return self._resume.restore_agreed(self.tracked(), self._ranks.coord, self.config.resume_from, shared=self._ranks.shared)
         if self.world_size > 1:
             return self._resume.restore(self.tracked(), rank=self.rank)
         return self._resume.restore(self.tracked())
+
+    def _newest_anywhere(self, index: int | None) -> None:
+        """replicate_every, once, before the first restore: the newest checkpoint that survived anywhere
+        reaches this store first. A replica this machine holds of the store this rank now writes (a job
+        restarted with fewer machines: rank 0 runs where its old store's copy is) is added here; then,
+        on several machines, the ranks agree on the newest one any of them holds (Replicator.fetch)."""
+        if self._fetched or not self.config.replicate_every:
+            return
+        self._fetched = True
+        wanted = index is None and not self.config.fresh and self.config.resume_from is None
+        got = False
+        if wanted and self.rank == 0:
+            try:
+                entry = adopt(self.path, 0, self.run_id)
+            except Exception as exc:  # noqa: BLE001 - the resume goes on with what this store has
+                log.error("ravex: replicate_every: the replica on this machine could not be added to %s: %s", self.path, exc)
+                entry = None
+            if entry is not None:
+                got = True
+                log.warning("ravex: replicate_every: checkpoint %d (step %s) taken from the replica on this machine (%s) into %s",
+                            entry["index"], entry.get("step"), replica_of(self.path, 0), self.path)
+        if self._replica is not None:
+            got = (wanted and self._replica.fetch()) or got
+            self._replica.begin()
+        if got:
+            self._resume.pending = self._resume.find(None)
 
     def saved_object(self, name: str) -> Any:
         """What the checkpoint :meth:`restore` will put in holds for the object tracked as ``name``

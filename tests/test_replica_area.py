@@ -14,7 +14,7 @@ import ravex
 from ravex_convert.errors import RavexError
 from ravex_convert.formats.native.writer import prune
 from ravex_runtime.loading import load_checkpoint
-from ravex_runtime.replica_area import Ingest, area_of, checkpoint_files, newest, read_copies, record_copy, replica_of, status
+from ravex_runtime.replica_area import Ingest, adopt, area_of, checkpoint_files, newest, read_copies, record_copy, replica_of, status
 
 
 def make_store(path: Path, steps: int, frozen: bool = False) -> list[dict[str, object]]:
@@ -128,3 +128,35 @@ def test_status_says_where_the_copies_are_and_how_old(tmp_path: Path) -> None:
     assert st is not None and st["area"] == str(area_of(store))
     assert [(c["holder_host"], c["index"], c["age_s"], c["behind"]) for c in st["copies"]] == [("node-b", 2, 60.0, 0)]
     assert [(h["rank"], h["index"], h["step"]) for h in st["held"]] == [(3, 0, 1)]
+
+
+def test_a_replica_held_here_goes_into_the_store_that_lacks_it(tmp_path: Path) -> None:
+    """An elastic restart with fewer machines: rank 0 now runs where its old store's copy is."""
+    entries = make_store(tmp_path / "a", 4)
+    store = tmp_path / "b" / "store"
+    held = replica_of(store, 0)
+    copy(tmp_path / "a", held, entries[1])
+    assert adopt(store, 0, "run2") == entries[1]  # no store at all yet: made, and the copy listed
+    assert [e["index"] for e in json.loads((store / "manifest.json").read_text())["checkpoints"]] == [1]
+    ckpt, tensors = load_checkpoint(store, 1)
+    want, want_tensors = load_checkpoint(tmp_path / "a", 1)
+    assert ckpt.step == want.step and all(torch.equal(tensors[k], want_tensors[k]) for k in want_tensors)
+    assert adopt(store, 0, "run3") is None  # the store has it now
+    assert adopt(store, 1, "run3") is None  # no replica of rank 1 here
+    copy(tmp_path / "a", held, entries[3])
+    assert adopt(store, 0, "run4") == entries[3]
+    assert [e["index"] for e in json.loads((store / "manifest.json").read_text())["checkpoints"]] == [1, 3]
+
+
+def test_a_damaged_replica_is_not_adopted(tmp_path: Path) -> None:
+    entries = make_store(tmp_path / "a", 2)
+    store = tmp_path / "b" / "store"
+    held = replica_of(store, 0)
+    copy(tmp_path / "a", held, entries[1])
+    data = next(f for f in (held / "checkpoints" / "00000001").iterdir() if f.name != "checkpoint.json")
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(RavexError):
+        adopt(store, 0, "run2")
+    assert newest(store) is None  # nothing listed
