@@ -22,6 +22,7 @@ import ravex
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
 from ravex_convert.formats.native.store import LOCK, RUN_LOCK
 from ravex_convert.storage import ABSENT, resolve
+from ravex_convert.storage.base import machine
 from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation, in_use
 from ravex_runtime.status import store_status
 
@@ -92,7 +93,15 @@ def test_one_run_per_store_on_object_storage_and_a_dead_run_s_lease_is_taken_ove
         assert f"delete the object objdir://{bucket}/store/{RUN_LOCK}" in (info.value.hint or "")
     # A run killed outright leaves its lease behind; one of this host whose process is gone is taken over.
     storage, key = storage_of(url)
-    dead = json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname(), "run_id": "killed", "since_unix": 0}).encode()
+    # Of this machine means the same boot and PID namespace (issue 43): the hostname alone proves nothing
+    # (containers share one), so a note naming this host from another PID namespace is not taken over.
+    here = {"pid": 2 ** 22 + 12345, "host": socket.gethostname(), "run_id": "killed", "since_unix": 0}
+    elsewhere = json.dumps({**here, **machine(), "pid_ns": 1}).encode()
+    storage.put(f"{key}/{RUN_LOCK}", elsewhere, if_generation=ABSENT)
+    with pytest.raises(RavexError, match="run killed"):
+        ravex.Session(path=url)
+    storage.delete(f"{key}/{RUN_LOCK}")
+    dead = json.dumps({**here, **machine()}).encode()
     storage.put(f"{key}/{RUN_LOCK}", dead, if_generation=ABSENT)
     torch.manual_seed(0)
     model, opt, _ = build()
