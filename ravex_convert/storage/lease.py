@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,10 @@ log = logging.getLogger("ravex")
 # Last-Modified has a resolution of one second (HTTP dates), and a request takes a moment: a
 # renewal is expected within TTL/4 + this, and a lease lapses at TTL + this.
 _SLACK_S = 2.0
-_said: set[tuple[str, str]] = set()  # (lease url, taker) already said at ERROR in this process
+_said: set[str] = set()  # stores whose takeover was said at ERROR in this process
+# store -> who wrote what its leases protect last (store.claim sets it): named where a lease object
+# no longer says who took it over (the taker finished and released it)
+_witnesses: dict[str, Callable[[], str | None]] = {}
 
 
 class StoreTakenOverError(RavexError):
@@ -111,10 +114,14 @@ class Lease:
     """A lease held by this process: its fencing ``generation``, and whether it was lost."""
 
     def __init__(self, store: ObjectStore, key: str, holder: str, etag: Any, generation: int, ttl: float | None, taken_over: bool,
-                 since: float):
+                 since: float, *, holder_may_run: bool = False):
         self.store, self.key, self.holder = store, key, holder
         self.url = store.client.url(key)
         self.etag, self.generation, self.ttl, self.taken_over, self.since = etag, generation, ttl, taken_over, since
+        # taken over from a holder that lapsed but may still run (frozen, cut off): a write of its
+        # may be in flight (store.claim keeps clear of it); False for one certainly gone
+        self.holder_may_run = holder_may_run
+        self.store_url = self.url.rsplit("/", 1)[0]
         self.lost: str | None = None  # why this run no longer holds it (never cleared)
         self.host = socket.gethostname()
         self._lock = threading.Lock()  # one put of the lease at a time: our own puts must not race each other
@@ -125,6 +132,11 @@ class Lease:
     def record(self) -> dict[str, Any]:
         """What a write this lease fences records of its writer (the native manifest's ``lease``)."""
         return {"generation": self.generation, "run_id": self.holder, "host": self.host}
+
+    def name_taker_by(self, witness: Callable[[], str | None]) -> None:
+        """``witness()`` names who wrote this lease's store last (``run R on host H``), or None: asked
+        when a lease of the store is found replaced and gone (the taker finished and released it)."""
+        _witnesses[self.store_url] = witness
 
     def check(self) -> None:
         """Raise :class:`StoreTakenOverError` once the lease is lost."""
@@ -139,8 +151,9 @@ class Lease:
                 self.lost = (f"{self.url}: this run ({self.holder} on host {self.host}, lease generation {self.generation}) no longer holds "
                              f"the store: {taker} took it over ({how}); this run commits nothing more there")
             msg = self.lost
-        if (self.url, taker) not in _said:
-            _said.add((self.url, taker))
+        # once per store: the run's lease and the writer's per-write one learn it alike
+        if self.store_url not in _said:
+            _said.add(self.store_url)
             log.error("ravex: %s", msg)
 
     def fenced_by(self, record: Any) -> bool:
@@ -176,11 +189,14 @@ class Lease:
             self.etag = self.store.put(self.key, self.note(self.generation), if_generation=self.etag)
 
     def _lost_to_reader(self, how: str) -> None:
+        taker: str | None = None
         try:
             taker = Holder.of(self.store.get(self.key)[0]).who()
         except (FileNotFoundError, RavexError, OSError):
-            taker = "another run (its lease is gone now)"
-        self.lose(taker, how)
+            witness = _witnesses.get(self.store_url)
+            with contextlib.suppress(Exception):
+                taker = witness() if witness is not None else None
+        self.lose(taker or "another run (its lease is gone now)", how)
 
 
 TAKEN_HINT = ("another machine runs this job from the store now and resumes from its newest checkpoint; this run's steps since then "
@@ -275,7 +291,8 @@ def _take(store: ObjectStore, key: str, holder: str, ttl: float | None) -> Lease
         if etag != st.generation:
             continue  # renewed in between: look again
         held = Holder.of(raw)
-        if not held.gone_here():
+        dead = held.gone_here()
+        if not dead:
             if ttl is None or st.modified is None:
                 # no TTL here (a local directory): only the holder's death on this machine frees a lease
                 raise PreconditionFailed(holder_text(raw))
@@ -292,7 +309,7 @@ def _take(store: ObjectStore, key: str, holder: str, ttl: float | None) -> Lease
             raise PreconditionFailed(holder_text(now) + ", which took it over first") from None
         if said[0]:
             log.warning("ravex: took over the lease %s from %s (generation %d)", client.url(key), held.who(), generation)
-        return Lease(store, key, holder, new, generation, ttl, True, since)
+        return Lease(store, key, holder, new, generation, ttl, True, since, holder_may_run=not dead)
 
 
 def _wait_out(store: ObjectStore, key: str, held: Holder, etag: Any, modified: float, own_ttl: float, said: list[bool]) -> bool:

@@ -188,13 +188,27 @@ def check_fence(manifest: Any, fence: Lease) -> None:
         fence.check()
 
 
+def _recorded_writer(w: Where, fence: Lease) -> str | None:
+    """``run R on host H``: the writer the manifest records (``lease``) where it is newer than ``fence``, else None."""
+    try:
+        held = json.loads(w.storage.get(w.key_of(MANIFEST))[0]).get("lease")
+    except (OSError, ValueError, AttributeError, RavexError):
+        return None
+    if not isinstance(held, dict) or not isinstance(held.get("generation"), int) or held["generation"] <= fence.generation:
+        return None
+    return f"run {held.get('run_id', '?')} on host {held.get('host', '?')}"
+
+
 def claim(w: Where, fence: Lease) -> None:
     """A run that took the store's lease marks the manifest with its generation (a put conditional
     on the ETag read), so that no writer of an older generation can commit after this point: its
     manifest put is conditional on an ETag from before it, or it reads the newer generation. A
-    run that took the lease over from another also moves ``next_index`` past the one a write
-    of the old holder still in flight may be building, so the two never share a directory.
-    Nothing to do where there is no manifest yet."""
+    run that took the lease over from a holder that may still run (its lease lapsed) also moves
+    ``next_index`` past the one a write of that holder still in flight may be building, so the
+    two never share a directory.
+    Nothing to do where there is no manifest yet. The lease learns whom to name should it find
+    itself replaced and the taker gone: the writer the manifest records."""
+    fence.name_taker_by(lambda: _recorded_writer(w, fence))
     for _ in range(8):
         try:
             raw, generation = w.storage.get(w.key_of(MANIFEST))
@@ -214,7 +228,7 @@ def claim(w: Where, fence: Lease) -> None:
             # and created again since; a token must only grow
             fence.advance(seen + 1)
         update = {**manifest, "lease": fence.record()}
-        if fence.taken_over:
+        if fence.holder_may_run:
             update["next_index"] = max(int(manifest["next_index"]), highest_dir_index(w) + 1) + 1
         try:
             w.storage.put(w.key_of(MANIFEST), _json_bytes(update, 1), if_generation=generation)
