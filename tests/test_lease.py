@@ -155,3 +155,22 @@ def test_a_ttl_below_the_floor_is_refused(s3_each: S3Prefix, monkeypatch: pytest
     with pytest.raises(RavexError, match=r"below 5 s"), storage.lease(key, "run-a"):
         pass
     assert storage.stat(key) is None
+
+
+def test_a_lease_created_again_moves_past_the_generation_the_store_carries(s3_each: S3Prefix, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease released (deleted) and created again starts at generation 1; the store's manifest may
+    carry a higher one from its history. The claim moves the lease past it, or the new run's own
+    commits would be refused as older than the store."""
+    w, ckpt, options = _fenced_store(s3_each, monkeypatch)
+    storage = w.storage
+    manifest, etag = storage.get(w.key_of("manifest.json"))
+    old = {**json.loads(manifest), "lease": {"generation": 5, "run_id": "run-old", "host": "node-old"}}
+    storage.put(w.key_of("manifest.json"), json.dumps(old).encode(), if_generation=etag)
+    with storage.lease(w.key_of("run-lock"), "run-c") as fence:
+        assert fence.generation == 1 and not fence.taken_over
+        claim(w, fence)
+        assert fence.generation == 6 and json.loads(storage.get(w.key_of("run-lock"))[0])["generation"] == 6
+        assert native_write.write(ckpt, w, options(), run_id="run-c", fence=fence)["index"] == 1
+    manifest = json.loads(storage.get(w.key_of("manifest.json"))[0])
+    assert manifest["lease"] == {"generation": 6, "run_id": "run-c", "host": manifest["lease"]["host"]}
+    assert manifest["next_index"] == 2  # no index skipped: nobody may still be writing

@@ -220,7 +220,9 @@ def claim(w: Where, fence: Lease) -> None:
             return  # the reader says what is wrong with it
         if not isinstance(manifest, dict) or not isinstance(manifest.get("next_index"), int):
             return
-        check_fence(manifest, fence)
+        # not check_fence: a newer generation here is history (the lease was deleted and created again,
+        # by a release or by hand) while this run holds the lease; advance() fails if it does not
+        fence.check()
         held = manifest.get("lease")
         seen = held.get("generation") if isinstance(held, dict) else None
         if isinstance(seen, int) and not isinstance(seen, bool) and seen >= fence.generation:
