@@ -280,6 +280,8 @@ class S3Bucket:
     def part_size(self) -> int: ...
     def head(self, key: str) -> tuple[str, int, str] | None:
         """``(key, size, etag)``, or None where no object has the key."""
+    def stat(self, key: str) -> tuple[int, str, float] | None:
+        """``(size, etag, last_modified)`` (Unix seconds, the server's clock), or None where no object has the key."""
     def get(self, key: str) -> tuple[bytes, str]:
         """A whole object and its ETag."""
     def get_range(self, key: str, offset: int, length: int) -> bytes: ...

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
-from ravex_convert.formats.native.store import LOCK, RUN_LOCK, empty_manifest, where
-from ravex_convert.storage import Location, PreconditionFailed
+from ravex_convert.formats.native.store import LOCK, RUN_LOCK, claim, empty_manifest, where
+from ravex_convert.storage import Lease, Location, PreconditionFailed
 
 from .dist import PROBE_PREFIX
 from .loading import TS_FILE
@@ -53,7 +53,7 @@ def _after_fork_child() -> None:
         if s._fd is not None:
             os.close(s._fd)
             s._fd = None
-        s._lease = None  # the parent's: the child never releases it
+        s._lease = s.fence = None  # the parent's: the child never releases it
     _held.clear()
 
 
@@ -83,6 +83,7 @@ class StoreLock:
         self.writing = threading.Lock()
         self._fd: int | None = None
         self._lease: Any = None  # object storage: the run's lease, held open (a context manager)
+        self.fence: Lease | None = None  # object storage: what that lease yields, the run's fencing token
         _register_fork_hooks()
 
     def take(self) -> None:
@@ -117,6 +118,7 @@ class StoreLock:
             self._fd = None
         if self._lease is not None:
             lease, self._lease = self._lease, None
+            self.fence = None
             lease.__exit__(None, None, None)
         if self in _held:
             _held.remove(self)
@@ -137,14 +139,23 @@ class StoreLock:
             self._refuse_foreign(w.path, {r.split("/", 1)[0]: None for r in rels}, shown=w.label)
         lease = w.storage.lease(w.key_of(RUN_LOCK), self.owner)
         try:
-            lease.__enter__()
+            fence = lease.__enter__()
         except PreconditionFailed as held:
             raise RavexError(f"{w.label}: another training run is using this checkpoint store ({held})",
                              hint="only one run may write to a store at a time: stop the other run, or set storage.path (RAVEX_STORAGE_PATH) "
-                                  f"to another store; a run killed on another machine leaves its lease behind: once it is certainly gone, "
-                                  f"delete the object {w.shown(RUN_LOCK)}", path=w.path) from None
+                                  f"to another store; a run killed on another machine leaves its lease behind, which the next run takes "
+                                  f"over once it lapses by its holder's TTL (RAVEX_S3_LEASE_TTL): start it again then, or, once that run "
+                                  f"is certainly gone, delete the object {w.shown(RUN_LOCK)}", path=w.path) from None
         self._lease = lease
         _held.append(self)
+        if isinstance(fence, Lease):
+            try:
+                # from here no run of an older generation can commit to the store (store.claim)
+                claim(w, fence)
+            except BaseException:
+                self.release()
+                raise
+            self.fence = fence
 
     def _refuse_foreign(self, store: Path, names: dict[str, Path | None], *, shown: str | None = None) -> None:
         """A store without its marker: refuse what is not an empty directory or what an interrupted

@@ -18,6 +18,10 @@ from typing import Any
 
 import torch
 
+from ravex_convert.errors import RavexError
+from ravex_convert.storage import StoreTakenOverError
+from ravex_convert.storage.lease import TAKEN_HINT
+
 from .config import Config
 from .dist import initialized
 from .errors import ResumeError
@@ -57,7 +61,8 @@ class Runtime:
         # Strong references to what was being trained at the last boundary: the final checkpoint
         # runs after the function returned, when its locals are gone.
         self.held: list[Any] = []
-        self.fatal: ResumeError | None = None  # a restore failed for good: every later boundary raises it again
+        # a restore failed for good, or another run took the store over: every later boundary raises it again
+        self.fatal: RavexError | None = None
         self.restored = False
         self.last_step_written: int | None = None
         self.error: str | None = None
@@ -121,6 +126,16 @@ class Runtime:
         self.active = self.counting = False
 
     def disable(self, why: str) -> None:
+        taken = self.session.taken_over
+        if taken is not None:
+            # Another machine took the store over and trains this job from its newest checkpoint:
+            # this run's steps can never be saved, and it competes with the replacement for the
+            # data and whatever else the script writes. It stops at its next step or iteration
+            # boundary with StoreTakenOverError (said once at ERROR already, by the lease).
+            self.error = why
+            self.active = False
+            self.fatal = StoreTakenOverError(taken, hint=TAKEN_HINT, path=self.session.path)
+            return
         if self.active and self.session.world_size > 1 and not self.session.left and initialized():
             # On many ranks the next checkpoint is a collective: a rank that stopped alone would
             # leave the others waiting in it. Every rank learns of it there, and all stop together.
@@ -195,6 +210,10 @@ class Runtime:
         ``loader``: the DataLoader whose next batch this is. One that no optimizer step has followed
         yet (an evaluation's, run between two training steps) only restores: a checkpoint taken in
         the middle of an evaluation would resume after it, without the rest of it."""
+        taken = self.session.taken_over
+        if taken is not None and self.fatal is None:
+            self.disable(taken)  # the lease's renewal learnt it: the run stops at its next step (fatal)
+            return
         if loader is not None:
             self.last_loader = loader
             if not loader.trains:

@@ -32,7 +32,8 @@ from ravex_convert.errors import RavexError
 from ravex_convert.model import Checkpoint
 from ravex_convert.objects import INITIALISED_FROM
 from ravex_convert.recipes import KEY as RECIPES
-from ravex_convert.storage import resolve
+from ravex_convert.storage import StoreTakenOverError, resolve
+from ravex_convert.storage.lease import TAKEN_HINT
 
 from ._passthrough import Counted
 from .config import Config, load_config, override
@@ -144,6 +145,7 @@ class Session:
             # One run per store: rank 0 holds it; the other ranks of the job write nothing there
             # (they may not even see it: the probe at join() says).
             self._lock.take()
+            self._job.fence = self._lock.fence
         self._writer = Writer(cfg, self.path, self.dst, self._job, self._resume, self._lock.writing, on_error)
 
     # ------------------------------------------------------------ where this session stands
@@ -167,6 +169,13 @@ class Session:
     def error(self) -> str | None:
         """Why writing stopped: the first background write that failed; None while none has."""
         return self._writer.error
+
+    @property
+    def taken_over(self) -> str | None:
+        """Why this run writes nothing more: another run took the store's lease over (object
+        storage), in words naming it; None while this run holds it (or the store is local)."""
+        fence = self._job.fence
+        return fence.lost if fence is not None else None
 
     @property
     def last_index(self) -> int | None:
@@ -327,6 +336,8 @@ class Session:
         After a write failed (disk full, permissions) the session writes nothing more, and every commit raises."""
         if self._closed:
             raise RavexError(f"{self.path}: Session.commit() on a closed session", hint="commit before close()")
+        if self.taken_over is not None:
+            raise StoreTakenOverError(self.taken_over, hint=TAKEN_HINT, path=self.path)
         if self.error is not None:
             raise RavexError(f"{self.path}: the checkpoint of step {snapshot.step} is not written: an earlier write failed ({self.error})",
                              hint="fix the cause (disk space, permissions) and open a new Session", path=self.path)
@@ -341,6 +352,8 @@ class Session:
     def flush(self) -> None:
         """Wait until every committed snapshot is written; raises when a write failed."""
         self._writer.drain()
+        if self.taken_over is not None:
+            raise StoreTakenOverError(self.taken_over, hint=TAKEN_HINT, path=self.path)
         if self.error is not None:
             raise RavexError(f"{self.path}: a checkpoint could not be written: {self.error}",
                              hint="fix the cause (disk space, permissions) and open a new Session", path=self.path)

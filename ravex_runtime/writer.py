@@ -35,7 +35,7 @@ from ravex_convert.errors import RavexError
 from ravex_convert.formats import torch_save
 from ravex_convert.formats.native import writer as native_write
 from ravex_convert.model import Checkpoint
-from ravex_convert.storage import Location, resolve
+from ravex_convert.storage import Lease, Location, StoreTakenOverError, resolve
 
 from .config import Config
 from .dist import StoreGroup
@@ -73,6 +73,7 @@ class Job:
     world_size: int = 1
     writers: Any = None  # per_rank: the job's store the ranks' writers agree through
     prefix: str | None = None  # the job's keys in that store (dist.Coord.prefix)
+    fence: Lease | None = None  # object storage, rank 0: the run's lease; every commit is fenced by it
 
 
 class Writer:
@@ -145,8 +146,11 @@ class Writer:
                 elif snap.layout is not None:
                     self._group(snap).abort(f"rank {self.job.rank} writes no more checkpoints: {self.error}")
             except Exception as exc:  # noqa: BLE001 - a failing write stops writing; training goes on
-                log.error("ravex: writing the checkpoint of step %d to %s failed: %s", snap.step if snap else -1, self.path, exc)
-                self.error = f"checkpoint write failed: {exc}"
+                if isinstance(exc, StoreTakenOverError):
+                    self.error = exc.message  # said once at ERROR when the lease learnt it (storage/lease.py)
+                else:
+                    log.error("ravex: writing the checkpoint of step %d to %s failed: %s", snap.step if snap else -1, self.path, exc)
+                    self.error = f"checkpoint write failed: {exc}"
                 if self._on_error is not None:
                     try:
                         self._on_error(self.error)
@@ -159,6 +163,9 @@ class Writer:
                 self._queue.task_done()
 
     def _write(self, snap: Snapshot) -> None:
+        fence = self.job.fence
+        if fence is not None:
+            fence.check()  # taken over: nothing more is written, not even data objects
         ckpt = to_checkpoint(snap, self.path)
         if self.config.backend == "torch_save":
             with self._guard:
@@ -174,7 +181,7 @@ class Writer:
                 try:
                     # StoreGroup has the converter's group surface (broadcast, all_gather) over the job's store
                     with _dist.spread(cast(Any, group)):
-                        result = native_write.write(ckpt, self.dst, opts, run_id=job.run_id.replace(".", "-"))
+                        result = native_write.write(ckpt, self.dst, opts, run_id=job.run_id.replace(".", "-"), fence=fence)
                 except BaseException as exc:
                     group.abort(f"rank {job.rank}: {exc}")  # the others stop waiting for this rank's part
                     raise
@@ -183,14 +190,14 @@ class Writer:
                     self.writes += 1
                     return
             else:
-                result = native_write.write(ckpt, self.dst, opts, run_id=job.run_id.replace(".", "-"))
+                result = native_write.write(ckpt, self.dst, opts, run_id=job.run_id.replace(".", "-"), fence=fence)
             for w in result.get("warnings", []):
                 log.warning("ravex: %s", w)
             self.last_index = int(result["index"])
             self.writes += 1
             if self.config.keep_last is not None and self._may_prune():
                 pinned = {self.resume.index} if self.resume.index is not None else set()
-                native_write.prune(self.dst, self.config.keep_last, pinned=pinned)
+                native_write.prune(self.dst, self.config.keep_last, pinned=pinned, fence=fence)
         if self.after_write is not None:
             self.after_write(self.last_index)
 

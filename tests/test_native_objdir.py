@@ -25,6 +25,7 @@ from ravex_convert.formats.native import reader as native
 from ravex_convert.formats.native import store as native_store
 from ravex_convert.formats.native import writer as native_write
 from ravex_convert.storage import ABSENT, resolve
+from ravex_convert.storage.base import machine
 from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation, in_use
 
 ZERO = DATA / "zero3_ws2_fp32" / "checkpoint"
@@ -141,7 +142,7 @@ def test_the_hook_watches_the_bucket_while_the_store_is_written(remote: str, mon
     seen: list[str] = []
     real = native_write.open_store
 
-    def watched(w: native_store.Where) -> Any:
+    def watched(w: native_store.Where, fence: Any = None) -> Any:
         seen.extend(in_use())
         with pytest.raises(SemanticsViolation):
             os.replace(w.path / "manifest.json", w.path / "manifest.json.old")
@@ -176,7 +177,7 @@ def test_a_lease_left_by_a_dead_process_of_this_machine_is_taken_over(remote: st
     storage, key = bucket_of(remote)
     gone = subprocess.Popen([sys.executable, "-c", ""])
     gone.wait()
-    note = {"pid": gone.pid, "host": socket.gethostname(), "run_id": "killed", "since_unix": time.time()}
+    note = {"pid": gone.pid, "host": socket.gethostname(), "run_id": "killed", "since_unix": time.time(), **machine()}
     storage.put(f"{key}/lock", json.dumps(note).encode(), if_generation=ABSENT)
     assert convert(DCP, remote, "native")["index"] == 1
     assert not storage.exists(f"{key}/lock")
@@ -281,9 +282,9 @@ def test_a_lost_precondition_commits_nothing_and_says_so(remote: str, monkeypatc
     other = json.loads(storage.get(f"{key}/manifest.json")[0])
     other["note"] = "written by a writer that ignored the lock"
 
-    def racing(w: native_store.Where, manifest: dict[str, Any], run_id: str, generation: int) -> None:
+    def racing(w: native_store.Where, manifest: dict[str, Any], run_id: str, generation: int, fence: Any = None) -> None:
         storage.put(f"{key}/manifest.json", json.dumps(other).encode())  # lands between the read and the put
-        real(w, manifest, run_id, generation)
+        real(w, manifest, run_id, generation, fence)
 
     monkeypatch.setattr(native_write, "_write_manifest", racing)
     with pytest.raises(RavexError) as err:

@@ -9,6 +9,7 @@ tests/test_runtime_session.py."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -21,7 +22,8 @@ from test_runtime_session import build, everything, same
 import ravex
 from ravex_convert.errors import IncompleteCheckpointError, RavexError
 from ravex_convert.formats.native.store import LOCK, RUN_LOCK
-from ravex_convert.storage import ABSENT, resolve
+from ravex_convert.storage import ABSENT, StoreTakenOverError, resolve
+from ravex_convert.storage.base import machine
 from ravex_convert.storage.objdir import ObjectDirStorage, SemanticsViolation, in_use
 from ravex_runtime.status import store_status
 
@@ -92,7 +94,15 @@ def test_one_run_per_store_on_object_storage_and_a_dead_run_s_lease_is_taken_ove
         assert f"delete the object objdir://{bucket}/store/{RUN_LOCK}" in (info.value.hint or "")
     # A run killed outright leaves its lease behind; one of this host whose process is gone is taken over.
     storage, key = storage_of(url)
-    dead = json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname(), "run_id": "killed", "since_unix": 0}).encode()
+    # Of this machine means the same boot and PID namespace (issue 43): the hostname alone proves nothing
+    # (containers share one), so a note naming this host from another PID namespace is not taken over.
+    here = {"pid": 2 ** 22 + 12345, "host": socket.gethostname(), "run_id": "killed", "since_unix": 0}
+    elsewhere = json.dumps({**here, **machine(), "pid_ns": 1}).encode()
+    storage.put(f"{key}/{RUN_LOCK}", elsewhere, if_generation=ABSENT)
+    with pytest.raises(RavexError, match="run killed"):
+        ravex.Session(path=url)
+    storage.delete(f"{key}/{RUN_LOCK}")
+    dead = json.dumps({**here, **machine()}).encode()
     storage.put(f"{key}/{RUN_LOCK}", dead, if_generation=ABSENT)
     torch.manual_seed(0)
     model, opt, _ = build()
@@ -175,3 +185,38 @@ def test_a_decorated_loop_configured_for_object_storage_resumes(bucket: Path, tm
     assert again[0] == 4  # resumed from the object store
     assert all(torch.equal(weights[k], ref[k]) for k in ref)
     assert storage_of(url)[0].audit() == []
+
+
+def test_a_session_whose_store_was_taken_over_commits_nothing_and_says_so_once(bucket: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 43: the manifest records the generation of the lease its writer held; once another run
+    took the store over (its claim records a newer one), this run's writes commit nothing, it says
+    so once at ERROR, and commit() and flush() raise StoreTakenOverError (the decorator stops the run)."""
+    url = f"objdir:{bucket}/store"
+    storage, key = storage_of(url)
+    torch.manual_seed(0)
+    model, opt, _ = build()
+    caplog.set_level(logging.ERROR, "ravex")
+    with ravex.Session(path=url) as session:
+        session.track(model=model, optimizer=opt)
+        train(model, opt)
+        session.commit(session.capture(1), wait=True)
+        raw, gen = storage.get(f"{key}/manifest.json")
+        manifest = json.loads(raw)
+        assert manifest["lease"]["run_id"] == session.run_id and session.taken_over is None
+        # run-b on node-b took the store over: its claim records its generation
+        manifest["lease"] = {"generation": manifest["lease"]["generation"] + 1, "run_id": "run-b", "host": "node-b"}
+        storage.put(f"{key}/manifest.json", json.dumps(manifest).encode(), if_generation=gen)
+        before = storage.get(f"{key}/manifest.json")[0]
+        train(model, opt)
+        session.commit(session.capture(2))
+        with pytest.raises(StoreTakenOverError, match="run run-b on host node-b took it over") as err:
+            session.flush()
+        assert "stop it" in (err.value.hint or "")
+        assert session.taken_over is not None
+        with pytest.raises(StoreTakenOverError):
+            session.commit(session.capture(3))
+        assert storage.get(f"{key}/manifest.json")[0] == before
+        assert not [k for k in storage.list(key) if "/checkpoints/00000001/" in k]
+    said = [r.getMessage() for r in caplog.records if "took it over" in r.getMessage()]
+    assert len(said) == 1 and "node-b" in said[0], said
+    assert storage.audit() == []

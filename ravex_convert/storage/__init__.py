@@ -28,11 +28,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, cast
 
 from .base import ABSENT, Output, PreconditionFailed, Sink, Stat, Storage
+from .lease import Lease, StoreTakenOverError
 from .local import LocalStorage, remove_tree
 from .s3conf import SCHEME  # storage.s3 imports the core: it is loaded only for an s3:// path
 
 __all__ = [
     "ABSENT",
+    "Lease",
     "LocalStorage",
     "Location",
     "Output",
@@ -40,6 +42,7 @@ __all__ = [
     "Sink",
     "Stat",
     "Storage",
+    "StoreTakenOverError",
     "as_path",
     "core_source",
     "open_read",

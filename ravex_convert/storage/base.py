@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["ABSENT", "Output", "PreconditionFailed", "Sink", "Storage", "holder_text", "lease_note"]
+__all__ = ["ABSENT", "Output", "PreconditionFailed", "Sink", "Storage", "holder_text", "lease_note", "machine"]
 
 # `put(..., if_generation=ABSENT)`: only if no object has this key
 ABSENT = -1
@@ -96,6 +96,8 @@ class Stat:
     size: int
     # opaque: compared for equality only (an int on a filesystem, an ETag string in a bucket)
     generation: Any
+    # when the object was last written, by the server's clock (Unix seconds; None where unknown)
+    modified: float | None = None
 
 
 class Storage(Protocol):
@@ -138,14 +140,31 @@ class Storage(Protocol):
     def local_path(self, key: str) -> Path:
         """Where a reader may map the object's bytes (read-only)."""
 
-    def lease(self, key: str, holder: str) -> contextlib.AbstractContextManager[None]:
+    def lease(self, key: str, holder: str) -> contextlib.AbstractContextManager[Any]:
         """Hold ``key`` as this writer's for the block, or raise :class:`PreconditionFailed`
-        naming the holder (:func:`holder_text` of its note)."""
+        naming the holder (:func:`holder_text` of its note). On object storage the block is given
+        the :class:`~.lease.Lease` (a fencing token); locally None (the flock is the fence)."""
+
+
+def machine() -> dict[str, Any]:
+    """What tells this machine's processes apart from another's: the kernel's boot id and this
+    process's PID namespace (the inode of ``/proc/self/ns/pid``); None where unknown. A hostname
+    does not (containers share one; ``unshare -u`` gives a process another)."""
+    try:
+        boot: str | None = Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        boot = None
+    try:
+        ns: int | None = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = None
+    return {"boot_id": boot, "pid_ns": ns}
 
 
 def lease_note(holder: str) -> bytes:
-    """What a lease records of its holder, for the message another writer gets."""
-    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run_id": holder, "since_unix": time.time()}).encode()
+    """What a lease records of its holder, for the message another writer gets, and for telling
+    whether it runs on this machine (:func:`machine`)."""
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run_id": holder, "since_unix": time.time(), **machine()}).encode()
 
 
 def holder_text(raw: bytes) -> str:

@@ -25,13 +25,12 @@ from __future__ import annotations
 import builtins
 import contextlib
 import itertools
-import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,19 +106,6 @@ def _unwatch(root: str) -> None:
         _buckets.pop(root, None)
 
 
-def _gone(raw: bytes) -> bool:
-    """Whether a lease's holder has certainly exited: a process of this machine that no
-    longer runs (what the kernel's release of an flock gives a local store)."""
-    try:
-        note = json.loads(raw.decode())
-        pid, host = note["pid"], note["host"]
-    except (ValueError, KeyError, TypeError):
-        return False
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or host != socket.gethostname():
-        return False
-    return not _running(pid)
-
-
 def _running(pid: int) -> bool:
     """Whether process ``pid`` of this machine runs (or may: one not ours to signal)."""
     try:
@@ -191,8 +177,11 @@ class _DirClient:
     '/'-separated. Each object appears by a rename inside the backend, which is its atomic put."""
 
     @property
-    def renew_every(self) -> float | None:
-        return None  # a holder's death is seen from its pid (this machine): never renewed
+    def lease_ttl(self) -> float | None:
+        return None  # one machine: a holder's death is seen from its pid, a lease never lapses
+
+    def clock(self, key: str) -> float:
+        return time.time()  # the "server" is this machine: its clock is the files' mtime
 
     def __init__(self, root: str):
         self.root = root
@@ -212,7 +201,7 @@ class _DirClient:
             st = self.file(key).stat()
         except (FileNotFoundError, NotADirectoryError):
             return None
-        return Stat(st.st_size, _generation(st))
+        return Stat(st.st_size, _generation(st), st.st_mtime)
 
     def get(self, key: str) -> tuple[bytes, int]:
         with open(self.file(key), "rb") as f:
@@ -340,12 +329,6 @@ class _DirClient:
 
     def view(self, key: str) -> Path:
         return self.file(key)
-
-    def abandoned(self, note: bytes) -> bool:
-        return _gone(note)
-
-    def held_hint(self) -> str:
-        return ""
 
     def reachable(self) -> bool:
         return True

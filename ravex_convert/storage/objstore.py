@@ -11,10 +11,10 @@ range. Everything Ravex builds on them lives here, for every object store alike:
 - a conditional put (:meth:`ObjectStore.put`): a put that loses its condition is settled by
   reading the object back, since a retried put can lose against its own first attempt whose
   answer was lost: equal bytes (Ravex's commit objects carry the writer's run id) are its own;
-- a lease (:meth:`ObjectStore.lease`): an object created only where absent, renewed while held
-  where the client asks for it, taken over by a put conditional on the generation read only
-  when the client says its holder is gone, and released by a delete conditional on the
-  generation last put.
+- a lease (:meth:`ObjectStore.lease`, :mod:`.lease`): a fencing token, an object created only
+  where absent, renewed while held where the client has a TTL, taken over by a put conditional
+  on the ETag read once its holder is gone (by the holder's TTL and the server's clock), and
+  released by a delete conditional on the ETag last put.
 
 ``objdir`` (a local directory with object-store rules, for tests) and ``s3`` are two clients.
 """
@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 import os
 import tempfile
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import RavexError
-from .base import ABSENT, PreconditionFailed, Sink, Stat, holder_text, lease_note
+from .base import ABSENT, PreconditionFailed, Sink, Stat
+from .lease import Lease, hold
 
-__all__ = ["Client", "ObjectStore", "Output", "pwrite_file"]
+__all__ = ["Client", "Lease", "ObjectStore", "Output", "pwrite_file"]
 
 
 class Client(Protocol):
@@ -44,8 +41,13 @@ class Client(Protocol):
     name: str  # the bucket, for messages
 
     @property
-    def renew_every(self) -> float | None:
-        """How often a held lease is put again (seconds), or None where a lease is never renewed."""
+    def lease_ttl(self) -> float | None:
+        """Seconds a lease this client takes may go unrenewed before another writer takes it over
+        (it is renewed every quarter of that); None where a lease never lapses (only its holder's
+        death on this machine frees it)."""
+
+    def clock(self, key: str) -> float:
+        """The server's time now (Unix seconds), by which a lease's age (its ``Stat.modified``) is judged."""
 
     def url(self, key: str) -> str:
         """How messages name the object."""
@@ -81,12 +83,6 @@ class Client(Protocol):
 
     def view(self, key: str) -> Path:
         """What a reader opens for the object (a path that reads by range)."""
-
-    def abandoned(self, note: bytes) -> bool:
-        """Whether the holder of a lease (its note, :func:`~.base.lease_note`) is certainly gone."""
-
-    def held_hint(self) -> str:
-        """What a writer refused by a held lease is told about its takeover."""
 
     def reachable(self) -> bool:
         """False once the server stopped answering in this process: cleanup is left to the next writer."""
@@ -280,58 +276,6 @@ class ObjectStore:
         """What a reader opens for the object."""
         return self.client.view(key)
 
-    @contextlib.contextmanager
-    def lease(self, key: str, holder: str) -> Iterator[None]:
-        """A lease object at ``key``: created only where absent, renewed while held where the client
-        renews leases, released with a conditional delete. One whose holder the client says is gone
-        is taken over with a put conditional on its generation (only one taker wins). While it is
-        held the client watches the bucket (objdir's audit hook)."""
-        state = {"gen": self._take(key, holder)}
-        stop = threading.Event()
-        owner = os.getpid()
-        every = self.client.renew_every
-        renewer = None
-        if every:
-            def renew() -> None:
-                while not stop.wait(every):
-                    with contextlib.suppress(Exception):
-                        state["gen"] = self.put(key, _note(holder), if_generation=state["gen"])
-
-            renewer = threading.Thread(target=renew, name="ravex-lease", daemon=True)
-            renewer.start()
-        self.client.watch()
-        try:
-            yield
-        finally:
-            self.client.unwatch(None)
-            stop.set()
-            if renewer is not None:
-                renewer.join(timeout=5)
-            # A forked child (a DataLoader worker) finalizing its copy of the holder's state never
-            # releases: the lease is the parent's, who still holds it.
-            if os.getpid() == owner:
-                with contextlib.suppress(Exception):
-                    self.client.delete_if(key, state["gen"])
-
-    def _take(self, key: str, holder: str) -> Any:
-        try:
-            return self.put(key, _note(holder), if_generation=ABSENT)
-        except PreconditionFailed:
-            pass
-        try:
-            raw, gen = self.get(key)
-        except FileNotFoundError:  # released in between
-            return self.put(key, _note(holder), if_generation=ABSENT)
-        if not self.client.abandoned(raw):
-            raise PreconditionFailed(holder_text(raw) + self.client.held_hint())
-        try:
-            return self.put(key, _note(holder), if_generation=gen)
-        except PreconditionFailed:  # another writer took it over first
-            raise PreconditionFailed(holder_text(self.get(key)[0])) from None
-
-
-def _note(holder: str) -> bytes:
-    """A lease's note (:func:`~.base.lease_note`) with the time it was last put: a renewed lease is recent."""
-    note = json.loads(lease_note(holder))
-    note["renewed_unix"] = time.time()
-    return json.dumps(note).encode()
+    def lease(self, key: str, holder: str) -> contextlib.AbstractContextManager[Lease]:
+        """A lease object at ``key`` (:mod:`.lease`): held for the block, a fencing token while held."""
+        return hold(self, key, holder)

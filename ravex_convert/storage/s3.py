@@ -13,9 +13,10 @@ spooled to local disk, and nothing is ever replaced in place:
   at; a conditional put whose answer was lost (a retry that gets 412 against its own first
   attempt) is settled by reading the object back: the bytes Ravex writes there carry the
   writer's run id, so they are its own only if they are equal;
-- the run lock is a lease object, created only where absent, renewed while held, taken
-  over only when its holder's process is gone (same machine) or it was not renewed for
-  ``RAVEX_S3_LEASE_TTL`` seconds, and released with a conditional delete;
+- the run lock is a lease object (a fencing token, :mod:`.lease`), created only where absent,
+  renewed every ``RAVEX_S3_LEASE_TTL``/4 seconds while held, taken over only when its holder's
+  process is gone (the same boot and PID namespace) or it lapsed by the holder's TTL on the
+  server's clock, and released with a conditional delete;
 - multipart uploads a killed writer left behind are listed and aborted when the next
   writer begins at that prefix.
 
@@ -31,9 +32,7 @@ import builtins
 import contextlib
 import fnmatch
 import io
-import json
 import os
-import socket
 import stat as stat_mod
 import threading
 import time
@@ -44,6 +43,7 @@ from typing import Any
 from .. import _core
 from ..errors import FileSystemError, RavexError, translate_os_errors
 from .base import PreconditionFailed, Stat
+from .lease import probe_clock
 from .objstore import ObjectStore
 from .s3conf import SCHEME, answered, client_key, client_settings, configure, error, lease_ttl, split, unreachable
 
@@ -330,18 +330,23 @@ class _S3Client:
     def __init__(self, name: str):
         self.name = name
         self.core = bucket(name)
+        self.store: ObjectStore | None = None  # the storage over this client (its lease's clock puts through it)
 
     @property
-    def renew_every(self) -> float | None:
-        return lease_ttl() / 4
+    def lease_ttl(self) -> float | None:
+        return lease_ttl()
+
+    def clock(self, key: str) -> float:
+        assert self.store is not None  # set by S3Storage
+        return probe_clock(self.store, key)
 
     def url(self, key: str) -> str:
         return f"{SCHEME}{self.name}/{key}"
 
     def head(self, key: str) -> Stat | None:
         with _mapped():
-            head = self.core.head(key)
-        return None if head is None else Stat(head[1], head[2])
+            head = self.core.stat(key)
+        return None if head is None else Stat(head[0], head[1], head[2])
 
     def get(self, key: str) -> tuple[bytes, Any]:
         with _mapped():
@@ -400,12 +405,6 @@ class _S3Client:
     def view(self, key: str) -> Path:
         return S3Path.of(self.url(key))  # type: ignore[return-value]  # a path that lists and reads by range
 
-    def abandoned(self, note: bytes) -> bool:
-        return _abandoned(note)
-
-    def held_hint(self) -> str:
-        return f" (taken over if not renewed for {lease_ttl():.0f} s: RAVEX_S3_LEASE_TTL)"
-
     def reachable(self) -> bool:
         return not unreachable(self.name)
 
@@ -436,6 +435,7 @@ class S3Storage(ObjectStore):
         self.name = name
         self.s3 = _S3Client(name)
         super().__init__(self.s3)
+        self.s3.store = self
 
     def url(self, key: str) -> str:
         return self.s3.url(key)
@@ -444,24 +444,3 @@ class S3Storage(ObjectStore):
         """``(key, upload id, initiated)`` of the multipart uploads left at ``prefix``: the object
         of that key, or any under it."""
         return self.s3.unfinished(prefix)
-
-
-def _abandoned(raw: bytes) -> bool:
-    """Whether a lease's holder is certainly gone: a process of this machine that no longer
-    runs, or a holder anywhere that has not renewed it for the TTL."""
-    try:
-        note = json.loads(raw.decode())
-        pid, host = note["pid"], note["host"]
-        renewed = float(note.get("renewed_unix", note["since_unix"]))
-    except (ValueError, KeyError, TypeError):
-        return False
-    if time.time() - renewed > lease_ttl():
-        return True
-    if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and host == socket.gethostname():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-    return False

@@ -90,6 +90,18 @@ impl S3Bucket {
             .map_err(CoreError::from)
     }
 
+    /// `(size, etag, last_modified)` (Unix seconds, the server's clock), or None where no
+    /// object has the key.
+    fn stat(
+        &self,
+        py: Python<'_>,
+        key: String,
+    ) -> Result<Option<(u64, String, f64)>, CoreError> {
+        py.detach(|| self.inner.head(&key))
+            .map(|m| m.map(|m| (m.size, m.etag, m.modified_ms as f64 / 1000.0)))
+            .map_err(CoreError::from)
+    }
+
     /// `(bytes, etag)` of a whole object.
     fn get<'py>(
         &self,

@@ -73,12 +73,15 @@ impl fmt::Debug for Bucket {
     }
 }
 
-/// An object's size and ETag.
+/// An object's size, ETag and Last-Modified.
 #[derive(Debug, Clone)]
 pub struct Meta {
     pub key: String,
     pub size: u64,
     pub etag: String,
+    /// When the server last wrote the object (its Last-Modified), in Unix milliseconds: the
+    /// server's clock, which a lease's age is judged by.
+    pub modified_ms: i64,
 }
 
 /// How a put may replace what is there.
@@ -527,5 +530,6 @@ fn meta(m: object_store::ObjectMeta) -> Meta {
         key: m.location.to_string(),
         size: m.size,
         etag: m.e_tag.unwrap_or_default(),
+        modified_ms: m.last_modified.timestamp_millis(),
     }
 }

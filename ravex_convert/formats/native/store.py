@@ -30,12 +30,12 @@ from typing import Any
 
 from ..._output import fsync_dir, fsync_fd
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError, RavexError, UnsafeCheckpointError
-from ...storage import ABSENT, Location, PreconditionFailed, resolve
+from ...storage import ABSENT, Lease, Location, PreconditionFailed, resolve
 from . import reader as native
 from .check import check_manifest
 from .reader import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER, read_manifest
 
-__all__ = ["CHECKPOINTS", "LOCK", "RUN_LOCK", "Entry", "Where", "create", "empty_manifest", "highest_dir_index", "locked", "open_store", "prepare",
+__all__ = ["CHECKPOINTS", "LOCK", "RUN_LOCK", "Entry", "Where", "claim", "create", "empty_manifest", "highest_dir_index", "locked", "open_store", "prepare",
            "refuse_links", "remove_checkpoint", "remove_store", "sweep", "where", "write_manifest"]
 
 CHECKPOINTS = "checkpoints"
@@ -149,15 +149,26 @@ def manifest_generation(w: Where) -> int:
     return ABSENT if st is None else st.generation
 
 
-def write_manifest(w: Where, manifest: dict[str, Any], run_id: str, generation: int) -> None:
+def write_manifest(w: Where, manifest: dict[str, Any], run_id: str, generation: int, fence: Lease | None = None) -> None:
     """Section 3, step 4, the commit point: a put of the whole manifest, conditional on the
     generation this writer read. Locally ``manifest.json.tmp-<run_id>`` is written, fsynced,
     renamed over ``manifest.json`` and the store directory fsynced; on object storage the one
-    conditional put is the commit."""
+    conditional put is the commit. ``fence``: the run's lease on object storage; the manifest
+    records its generation, and a lease lost (or a manifest written under a newer generation)
+    commits nothing (:class:`StoreTakenOverError`)."""
     tmp = f"{MANIFEST}.tmp-{run_id}"
+    if fence is not None:
+        check_fence(manifest, fence)
+        manifest = {**manifest, "lease": fence.record()}
     try:
         w.storage.put(w.key_of(MANIFEST), _json_bytes(manifest, 1), if_generation=generation, staging=tmp)
     except PreconditionFailed:
+        if fence is not None:
+            try:  # lost to the run that took the store over? then say that, not "changed"
+                now: Any = json.loads(w.storage.get(w.key_of(MANIFEST))[0])
+            except (OSError, ValueError, RavexError):
+                now = None
+            check_fence(now, fence)
         raise RavexError(
             f"{w.label}: {MANIFEST} changed while this writer held the store's lock (another writer that ignored the lock, or an "
             "edit by hand), so nothing was committed: the checkpoint being written is not in the store",
@@ -167,6 +178,67 @@ def write_manifest(w: Where, manifest: dict[str, Any], run_id: str, generation: 
         if w.posix and exc.errno == errno.ELOOP:
             raise _unsafe(w.path / tmp) from None
         raise
+
+
+def check_fence(manifest: Any, fence: Lease) -> None:
+    """Raise :class:`StoreTakenOverError` when ``fence`` was lost, or ``manifest`` was written under
+    a newer generation than its (another run took the store over)."""
+    fence.check()
+    if isinstance(manifest, dict) and fence.fenced_by(manifest.get("lease")):
+        fence.check()
+
+
+def _recorded_writer(w: Where, fence: Lease) -> str | None:
+    """``run R on host H``: the writer the manifest records (``lease``) where it is newer than ``fence``, else None."""
+    try:
+        held = json.loads(w.storage.get(w.key_of(MANIFEST))[0]).get("lease")
+    except (OSError, ValueError, AttributeError, RavexError):
+        return None
+    if not isinstance(held, dict) or not isinstance(held.get("generation"), int) or held["generation"] <= fence.generation:
+        return None
+    return f"run {held.get('run_id', '?')} on host {held.get('host', '?')}"
+
+
+def claim(w: Where, fence: Lease) -> None:
+    """A run that took the store's lease marks the manifest with its generation (a put conditional
+    on the ETag read), so that no writer of an older generation can commit after this point: its
+    manifest put is conditional on an ETag from before it, or it reads the newer generation. A
+    run that took the lease over from a holder that may still run (its lease lapsed) also moves
+    ``next_index`` past the one a write of that holder still in flight may be building, so the
+    two never share a directory.
+    Nothing to do where there is no manifest yet. The lease learns whom to name should it find
+    itself replaced and the taker gone: the writer the manifest records."""
+    fence.name_taker_by(lambda: _recorded_writer(w, fence))
+    for _ in range(8):
+        try:
+            raw, generation = w.storage.get(w.key_of(MANIFEST))
+        except FileNotFoundError:
+            return
+        try:
+            manifest = json.loads(raw)
+        except ValueError:
+            return  # the reader says what is wrong with it
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("next_index"), int):
+            return
+        # not check_fence: a newer generation here is history (the lease was deleted and created again,
+        # by a release or by hand) while this run holds the lease; advance() fails if it does not
+        fence.check()
+        held = manifest.get("lease")
+        seen = held.get("generation") if isinstance(held, dict) else None
+        if isinstance(seen, int) and not isinstance(seen, bool) and seen >= fence.generation:
+            # written under a generation as new as this lease's: the lease was released (deleted)
+            # and created again since; a token must only grow
+            fence.advance(seen + 1)
+        update = {**manifest, "lease": fence.record()}
+        if fence.holder_may_run:
+            update["next_index"] = max(int(manifest["next_index"]), highest_dir_index(w) + 1) + 1
+        try:
+            w.storage.put(w.key_of(MANIFEST), _json_bytes(update, 1), if_generation=generation)
+            return
+        except PreconditionFailed:
+            continue  # a commit landed meanwhile (the old holder's last, before this claim): read it again
+    raise RavexError(f"{w.label}: {MANIFEST} kept changing while this run claimed the store", hint="another process writes to it; stop it",
+                     path=w.path)
 
 
 def empty_manifest(p: Path) -> bool:
@@ -412,13 +484,16 @@ def _sweep_objects(w: Where, refs: frozenset[str], listed: set[str]) -> list[str
     return warnings
 
 
-def open_store(w: Where) -> tuple[dict[str, Any], int, list[Entry], int, list[str]]:
+def open_store(w: Where, fence: Lease | None = None) -> tuple[dict[str, Any], int, list[Entry], int, list[str]]:
     """Under the lock: the manifest and its generation, its entries, the highest index any
-    directory name holds, and the sweep's warnings (after the crash cleanup)."""
+    directory name holds, and the sweep's warnings (after the crash cleanup). ``fence``: a run
+    whose lease was taken over stops here, before its cleanup could touch the new holder's objects."""
     if w.posix or w.path.is_dir():
         refuse_links(w.path)
     generation = manifest_generation(w)
     manifest = read_manifest(w.path)
+    if fence is not None:
+        check_fence(manifest, fence)
     raw = check_manifest(manifest, w.path / MANIFEST)
     highest = highest_dir_index(w)
     _cleanup(w)

@@ -41,6 +41,7 @@ from ..._tagged import encode
 from ...errors import NotFoundError, RavexError
 from ...model import OBJ, Box, Checkpoint, LogicalTensor, TensorLink, dim0_shards, itemsize, numel
 from ...plan import OutFile, WritePlan, run
+from ...storage import Lease
 from .check import metadata_checksum
 from .reader import CHECKPOINT, FORMAT_VERSION, MANIFEST, STORE_MARKER
 from .store import (
@@ -352,7 +353,7 @@ def _listed(store: Path, index: int) -> bool:
 
 
 def write(ckpt: Checkpoint, store: Path | str | Where, opts: Options, *, run_id: str | None = None,
-          progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+          progress: Callable[[int], None] | None = None, fence: Lease | None = None) -> dict[str, Any]:
     """Append ``ckpt`` to the store at ``store`` as a new checkpoint (creating the
     store in an absent or empty directory) and commit it.
 
@@ -365,6 +366,9 @@ def write(ckpt: Checkpoint, store: Path | str | Where, opts: Options, *, run_id:
     ``bytes_written`` (data files written now), ``bytes_reused`` (chunk bytes
     pointing at earlier checkpoints), ``files``, ``run_id`` and ``warnings``.
     Raises :class:`RavexError` subclasses; a failure leaves the store as it was.
+    ``fence``: the run's lease of an object store (``storage.lease``): the manifest records its
+    generation, and once another run took it over nothing is committed
+    (:class:`~ravex_convert.storage.StoreTakenOverError`).
     """
     w = where(store)
     group = ambient()
@@ -386,7 +390,7 @@ def write(ckpt: Checkpoint, store: Path | str | Where, opts: Options, *, run_id:
         if group.rank == 0:
             fresh = not w.exists()
             try:
-                decided = _begin(w, run_id, outs, opts, held)
+                decided = _begin(w, run_id, outs, opts, held, fence)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, on every rank
                 if fresh and not _listed_any(w.path):
                     remove_store(w)
@@ -404,7 +408,8 @@ def write(ckpt: Checkpoint, store: Path | str | Where, opts: Options, *, run_id:
         for o, e in zip(outs, reused_entries, strict=True):
             o.entry = e
         try:
-            return _commit(ckpt, w, opts, run_id, outs, objects, source, progress, index, (manifest, decided["generation"]), warnings)
+            return _commit(ckpt, w, opts, run_id, outs, objects, source, progress, index, (manifest, decided["generation"]), warnings,
+                           fence)
         except BaseException:
             if group.rank == 0 and fresh and not _listed_any(w.path):
                 # A store made by this call for a checkpoint that failed: leave nothing behind.
@@ -412,7 +417,7 @@ def write(ckpt: Checkpoint, store: Path | str | Where, opts: Options, *, run_id:
             raise
 
 
-def _begin(w: Where, run_id: str, outs: list[_Out], opts: Options, held: contextlib.ExitStack) -> dict[str, Any]:
+def _begin(w: Where, run_id: str, outs: list[_Out], opts: Options, held: contextlib.ExitStack, fence: Lease | None) -> dict[str, Any]:
     """The coordinator's part before any data: the store made or checked, the lock
     taken (held until ``held`` closes), the crash cleanup and sweep, the new index,
     and the chunks reused from the newest loadable checkpoint."""
@@ -420,7 +425,7 @@ def _begin(w: Where, run_id: str, outs: list[_Out], opts: Options, held: context
     held.enter_context(locked(w, run_id))
     if not (w.path / STORE_MARKER).is_file():
         create(w, run_id)
-    manifest, generation, entries, highest, warnings = open_store(w)
+    manifest, generation, entries, highest, warnings = open_store(w, fence)
     index = max(int(manifest["next_index"]), highest + 1)
     if index > MAX_INDEX:
         raise RavexError(f"{w.label}: the store has used every checkpoint index (up to {MAX_INDEX})", hint="start a new store", path=w.path)
@@ -431,7 +436,7 @@ def _begin(w: Where, run_id: str, outs: list[_Out], opts: Options, held: context
 
 def _commit(ckpt: Checkpoint, w: Where, opts: Options, run_id: str, outs: list[_Out], objects: dict[str, Any],
             source: dict[str, Any], progress: Callable[[int], None] | None, index: int, read: tuple[dict[str, Any], int],
-            warnings: list[str]) -> dict[str, Any]:
+            warnings: list[str], fence: Lease | None = None) -> dict[str, Any]:
     """Section 3: the data files by every rank, checkpoint.json, the directory renamed (object
     storage: built in place under its final name), then the manifest, conditional on the
     generation ``read`` with it."""
@@ -477,7 +482,8 @@ def _commit(ckpt: Checkpoint, w: Where, opts: Options, run_id: str, outs: list[_
         entry = {"index": index, "dir": rel_dir, "step": step, "status": "complete", "created_unix": now, "run_id": run_id,
                  "world_size": opts.world_size, "bytes": logical, "tensors": len(tensors), "metadata_checksum": metadata_checksum(meta)}
         try:
-            _write_manifest(w, {**manifest, "next_index": index + 1, "checkpoints": [*manifest["checkpoints"], entry]}, run_id, generation)
+            _write_manifest(w, {**manifest, "next_index": index + 1, "checkpoints": [*manifest["checkpoints"], entry]}, run_id, generation,
+                            fence)
         except BaseException:
             if not _listed(w.path, index):
                 remove_checkpoint(w, rel_dir)
@@ -500,10 +506,11 @@ def _commit(ckpt: Checkpoint, w: Where, opts: Options, run_id: str, outs: list[_
     }
 
 
-def prune(store: Path | str | Where, keep_last: int, *, pinned: set[int] | frozenset[int] = frozenset()) -> list[int]:
+def prune(store: Path | str | Where, keep_last: int, *, pinned: set[int] | frozenset[int] = frozenset(),
+          fence: Lease | None = None) -> list[int]:
     """Keep the ``keep_last`` newest loadable checkpoints, every pinned one and
     every one that is not loadable; drop the rest from the manifest, then sweep
-    their files (section 5). Returns the indices dropped, in order."""
+    their files (section 5). Returns the indices dropped, in order. ``fence``: as for :func:`write`."""
     w = where(store)
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
         raise RavexError(f"keep_last {keep_last!r}: keep at least one checkpoint", hint="use keep_last >= 1")
@@ -514,13 +521,13 @@ def prune(store: Path | str | Where, keep_last: int, *, pinned: set[int] | froze
     run_id = uuid.uuid4().hex[:12]
     try:
         with locked(w, run_id):
-            manifest, generation, entries, _, _ = open_store(w)
+            manifest, generation, entries, _, _ = open_store(w, fence)
             loadable = [e.index for e in entries if e.problem is None]
             keep = set(loadable[-keep_last:]) | set(pinned) | {e.index for e in entries if e.problem is not None}
             dropped = [e.index for e in entries if e.index not in keep]
             if dropped:
                 kept = [e for e in entries if e.index in keep]
-                _write_manifest(w, {**manifest, "checkpoints": [e.entry for e in kept]}, run_id, generation)
+                _write_manifest(w, {**manifest, "checkpoints": [e.entry for e in kept]}, run_id, generation, fence)
                 sweep(w, kept)
             return dropped
     except OSError as exc:
