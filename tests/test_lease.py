@@ -174,3 +174,18 @@ def test_a_lease_created_again_moves_past_the_generation_the_store_carries(s3_ea
     manifest = json.loads(storage.get(w.key_of("manifest.json"))[0])
     assert manifest["lease"] == {"generation": 6, "run_id": "run-c", "host": manifest["lease"]["host"]}
     assert manifest["next_index"] == 2  # no index skipped: nobody may still be writing
+
+
+def test_a_ttl_a_note_or_a_setting_gives_above_the_ceiling_is_not_waited_out(s3_each: S3Prefix, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease note is read from the bucket: a TTL of a year in it refuses at once, naming the fix."""
+    storage, key = resolve(s3_each / "run-lock")
+    storage.put(key, _note(ttl_s=365 * 86400))
+    t0 = time.monotonic()
+    with pytest.raises(PreconditionFailed, match=r"a TTL of 31536000 s, over the 3600 s Ravex waits out: delete the lease object"), \
+            storage.lease(key, "run-b"):
+        pass
+    assert time.monotonic() - t0 < 5
+    monkeypatch.setenv("RAVEX_S3_LEASE_TTL", "7200")
+    with pytest.raises(RavexError, match=r"RAVEX_S3_LEASE_TTL='7200' is above 3600 s") as exc, storage.lease(key + "-2", "run-c"):
+        pass
+    assert "between 5 and 3600" in (exc.value.hint or "")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RavexError
 from .base import ABSENT, PreconditionFailed, holder_text, lease_note, machine
+from .s3conf import MAX_LEASE_TTL_S
 
 if TYPE_CHECKING:
     from .objstore import ObjectStore
@@ -318,6 +319,9 @@ def _wait_out(store: ObjectStore, key: str, held: Holder, etag: Any, modified: f
     :class:`PreconditionFailed` (a live holder). False: it changed otherwise (released): look again."""
     client = store.client
     ttl = held.ttl or own_ttl  # a note of an older Ravex records none: the taker's is all there is
+    if ttl > MAX_LEASE_TTL_S:  # a note is read from the bucket: a TTL of a year is not waited out
+        raise PreconditionFailed(holder_text(held.raw) + f" (its note gives a TTL of {ttl:.0f} s, over the {MAX_LEASE_TTL_S:.0f} s "
+                                 "Ravex waits out: delete the lease object if that run is gone)")
     every = ttl / 4
     start, server = time.monotonic(), client.clock(key)
 

@@ -62,6 +62,9 @@ def number(name: str, default: float) -> float:
 # A lease is renewed every TTL/4: below this a pause of a second or two (a GC, a busy disk) loses it
 # to another run, which then takes the store over from a holder that is alive.
 MIN_LEASE_TTL_S = 5.0
+# A taker waits a lapsed lease out for its holder's TTL: a longer one leaves a lost machine's store
+# unusable for longer than any restart should wait (a note's TTL above it is not waited out).
+MAX_LEASE_TTL_S = 3600.0
 
 
 def lease_ttl() -> float:
@@ -71,6 +74,10 @@ def lease_ttl() -> float:
         raise RavexError(f"RAVEX_S3_LEASE_TTL={os.environ.get('RAVEX_S3_LEASE_TTL')!r} is below {MIN_LEASE_TTL_S:.0f} s: a lease renewed "
                          f"every {ttl / 4:.2f} s is lost to any pause of the holder, and another run takes a live run's store over",
                          hint=f"set RAVEX_S3_LEASE_TTL to {MIN_LEASE_TTL_S:.0f} or more (the default is 120), or unset it")
+    if ttl > MAX_LEASE_TTL_S:
+        raise RavexError(f"RAVEX_S3_LEASE_TTL={os.environ.get('RAVEX_S3_LEASE_TTL')!r} is above {MAX_LEASE_TTL_S:.0f} s: a replacement "
+                         "machine would wait that long for a lost holder's lease to lapse",
+                         hint=f"set RAVEX_S3_LEASE_TTL between {MIN_LEASE_TTL_S:.0f} and {MAX_LEASE_TTL_S:.0f} (the default is 120), or unset it")
     return ttl
 
 
