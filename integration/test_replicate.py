@@ -131,6 +131,8 @@ def text_of(dones: list[Done]) -> str:
 CASES = {
     "ddp-2machines-wipe-a": ("ddp", 2, 2, 0),
     "ddp-3machines-wipe-a": ("ddp-fu", 3, 2, 0),
+    # per_rank on separate disks: no store every rank sees, so rank 0 gathers the shards (said once) and its store is copied
+    "fsdp2-per_rank-2machines-wipe-a": ("fsdp2-per_rank", 2, 2, 0),
 }
 
 
