@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SCRIPT = r'''
-import hashlib, json, os, random, sys
+import hashlib, json, os, random, sys, time
 import numpy as np
 import torch
 import ravex
@@ -112,6 +112,7 @@ def train():
             if (i + 1) % accum == 0:
                 opt.step(); opt.zero_grad(); sched.step(); ema.update(model)
                 log.write(f"{ravex.step()} {loss.item().hex()}\n"); log.flush()
+                time.sleep(0.03)  # a step longer than a checkpoint's write, as in training (5 ms steps here: kills never saw a commit)
     h = hashlib.sha256()
     sd = dict(model.state_dict()); sd.update({"ema." + k: v for k, v in ema.shadow.items()})
     for k in sorted(sd):
