@@ -199,6 +199,14 @@ impl SourceData<'_> {
         }
     }
 
+    /// The object behind a remote source.
+    pub(crate) fn remote(&self) -> Option<&Arc<dyn ReadAt>> {
+        match self {
+            SourceData::Remote(r) => Some(r),
+            _ => None,
+        }
+    }
+
     pub(crate) fn len(&self) -> u64 {
         match self {
             SourceData::Map(m, _) => m.len() as u64,

@@ -19,7 +19,7 @@ use object_store::{
     UpdateVersion,
 };
 
-use super::reader::BlockCache;
+use super::readahead::ReadAhead;
 use super::{block_on, error_chain, install_crypto, runtime, Kind, RemoteError, Result};
 use crate::s3text::{answer, classify, element, elements, last_reason, scrub, short, xml_text};
 /// How to reach a bucket. Unset fields come from the `AWS_*` environment, as
@@ -53,8 +53,8 @@ impl fmt::Debug for Config {
     }
 }
 
-/// A bucket: one client, one connection pool, one block cache and one limit
-/// on parts in flight, shared by every object of it.
+/// A bucket: one client, one connection pool, one read-ahead store and one
+/// limit on parts in flight, shared by every object of it.
 pub struct Bucket {
     config: Config,
     client: Mutex<Option<(u32, Arc<AmazonS3>)>>,
@@ -63,8 +63,8 @@ pub struct Bucket {
     secrets: Vec<String>,
     slots: Mutex<usize>,
     slot_free: Condvar,
-    /// The blocks its objects read last (`reader.rs`).
-    pub(super) cache: BlockCache,
+    /// The parts its readers hold (`readahead.rs`).
+    pub(super) cache: ReadAhead,
 }
 
 impl fmt::Debug for Bucket {
@@ -116,13 +116,13 @@ impl Bucket {
         }
         secrets.retain(|s| s.len() >= 4);
         let bucket = Arc::new(Bucket {
+            cache: ReadAhead::new(config.max_in_flight, config.part_size),
             config,
             client: Mutex::new(None),
             http: Mutex::new(None),
             secrets,
             slots: Mutex::new(0),
             slot_free: Condvar::new(),
-            cache: BlockCache::default(),
         });
         bucket.store()?; // refuse a bad configuration now, not at the first byte
         Ok(bucket)
@@ -296,12 +296,19 @@ impl Bucket {
     }
 
     pub fn get_range(&self, key: &str, offset: u64, len: u64) -> Result<Bytes> {
+        block_on(self.get_range_async(key, offset, len))
+    }
+
+    /// [`Bucket::get_range`] on the async runtime (the read-ahead's GETs).
+    pub(super) async fn get_range_async(&self, key: &str, offset: u64, len: u64) -> Result<Bytes> {
         if len == 0 {
             return Ok(Bytes::new());
         }
         let store = self.store()?;
         let k = self.key(key)?;
-        let got = block_on(store.get_range(&k, offset..offset + len))
+        let got = store
+            .get_range(&k, offset..offset + len)
+            .await
             .map_err(|e| self.error(&self.url(key), e))?;
         if got.len() as u64 != len {
             return Err(RemoteError {
