@@ -320,7 +320,7 @@ def test_reads_through_a_slow_link_with_parts_fetched_ahead_are_exact(s3: S3Pref
     with Shaper(host, int(port), rtt_s=0.030, rate=32e6) as sh:
         monkeypatch.setenv("AWS_ENDPOINT_URL", sh.endpoint)
         for in_flight in ("2", "16"):
-            monkeypatch.setenv("RAVEX_S3_IN_FLIGHT", in_flight)
+            monkeypatch.setenv("RAVEX_S3_READ_AHEAD", in_flight)
             _ok(run_ravex("convert", url, tmp_path / f"remote-{in_flight}.safetensors", "--no-sync"))
             assert (tmp_path / f"remote-{in_flight}.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
         # a torch_save written to the bucket and read back: a zip, read where its entries are

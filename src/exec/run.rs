@@ -350,6 +350,9 @@ fn run_piece(
     // of the piece's size is filled first (two 32 MiB pieces in flight cost
     // 64 MiB on top of the parts).
     let remote = sources[p.src].remote().filter(|_| p.from == p.to);
+    if let Some(r) = remote {
+        r.reads_from(p.src_off);
+    }
     // Validated against the sizes before the first piece ran.
     let src = match remote {
         Some(_) => std::borrow::Cow::Borrowed(&[][..]),

