@@ -87,8 +87,26 @@ op, bucket, key, path = sys.argv[1:5]
 s3 = boto3.client("s3", config=Config(s3={"addressing_style": "path"}))  # endpoint, keys, region: AWS_* env
 if op == "upload":
     s3.upload_file(path, bucket, key)
+elif op == "download-all":  # every object under the prefix `key`, one after the other
+    import os
+    import torch  # noqa: F401  (as the resume it is compared with)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
+        for o in page.get("Contents", []):
+            dst = os.path.join(path, o["Key"])
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            s3.download_file(bucket, o["Key"], dst)
 else:
     s3.download_file(bucket, key, path)
+"""
+# What a resume from an empty disk reads: the newest checkpoint of a native store in the bucket, verified and
+# read into new CPU tensors (ravex_runtime.loading.load_checkpoint, as the runtime's resume calls it)
+RESUME = """\
+import sys
+import torch
+from ravex_convert.storage import resolve
+from ravex_runtime.loading import load_checkpoint
+ckpt, tensors = load_checkpoint(resolve("s3://ckpt/store").path)
+assert sum(t.numel() * t.element_size() for t in tensors.values()) > 0
 """
 
 
@@ -348,6 +366,26 @@ def shaped(b: Bench, mib: int, res: dict) -> None:
 
         R.log(f"(e) shaped link: upload of {size / 2**20:.0f} MiB")
         res["up"] = b.rounds("shaped upload", up, lambda _: b.clear(), up_check, warm="first")
+        # a resume's read from an empty disk: the same bytes as a native store, read by the runtime's
+        # load_checkpoint, against boto3 fetching every object of it; both processes import torch first
+        p = subprocess.run([R.RAVEX, "convert", src, f"s3://{BUCKET}/store", "--to", "native"], env=b.env, check=False,
+                           stdout=b.logf, stderr=subprocess.STDOUT)
+        if p.returncode != 0:
+            sys.exit(f"s3.py: writing the native store failed (exit {p.returncode}); see {b.logf.name}")
+        dl = os.path.join(b.work, "dl")
+        resume = {"ravex load_checkpoint(s3://.../store)": ([R.PY, "-c", RESUME], env),
+                  "boto3 download_file of every object": ([*boto, "download-all", BUCKET, "store/", dl], env)}
+        got: dict[str, list[int]] = {n: [] for n in resume}
+        mark = [sh.bytes["down"]]
+
+        def resume_after(name: str) -> None:
+            got[name].append(sh.bytes["down"] - mark[0])  # what came down the link for this command
+            mark[0] = sh.bytes["down"]
+            R.rm(dl)
+
+        R.log(f"(e) shaped link: a resume's read of a {size / 2**20:.0f} MiB native store")
+        res["resume"] = b.rounds("shaped resume", resume, resume_after, lambda _: None, warm="none")
+        res["resume_bytes_down"] = got
         res["proxy"] = {"connections": sh.connections, "bytes": sh.bytes}
     res["bytes"] = size
     R.rm(src)
@@ -363,15 +401,20 @@ def render_shaped(res: dict) -> str:
               f"A {size / 2**20:.0f} MiB safetensors file (fp32 tensors of 64 MiB, random bytes), {res['runs']} paired rounds "
               "after one untimed run of the first command; median [min-max]; ÷ boto3 is the median of the per-round ratios. "
               "Peak RssAnon as above (the process tree's anonymous memory, sampled every 20 ms)."), ""]
-    for what, boto in (("down", "boto3 download_file"), ("up", "boto3 upload_file")):
-        runs = res[what]
-        lines += [f"**{'Download' if what == 'down' else 'Upload'}**", "",
+    titles = {"down": "Download", "up": "Upload", "resume": "A resume's read from an empty disk (a native store of the same bytes)"}
+    for what, boto in (("down", "boto3 download_file"), ("up", "boto3 upload_file"), ("resume", "boto3 download_file of every object")):
+        runs = res.get(what)
+        if not runs:
+            continue
+        lines += [f"**{titles[what]}**", "",
                   "| command | wall: median [min-max] | rate | ÷ boto3 | client CPU | peak RssAnon: median [min-max] |",
                   "|---|---|---|---|---|---|"]
         for n, rs in runs.items():
             lines.append(f"| `{n}` | {wall(rs)} | {size / 1e6 / med(rs):.0f} MB/s | {paired(rs, runs[boto]):.2f}x | "
                          f"{med(rs, 'cpu_s'):.2f} s | {mib_range(rs)} |")
         lines.append("")
+    for name, down in res.get("resume_bytes_down", {}).items():
+        lines += [f"`{name}`: {statistics.median(down) / 2**20:.0f} MiB came down the link per run (median).", ""]
     for note in res.get("notes", []):
         lines += [note, ""]
     return "\n".join(lines)
