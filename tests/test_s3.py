@@ -340,3 +340,45 @@ def test_reads_through_a_slow_link_with_parts_fetched_ahead_are_exact(s3: S3Pref
         f.seek(5)
         head = f.read(10)
     assert got == want and tail == want[-100:] and head == want[5:15]
+
+
+def test_a_resume_from_a_bucket_reads_each_byte_once_and_still_finds_damage(s3: S3Prefix, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_checkpoint (what a resume from an empty disk calls) checks the checksums on the bytes it
+    reads: one download of the checkpoint, not a hashing pass and then a reading pass."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import _s3server
+    from _shaper import Shaper
+
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    from ravex_convert.errors import CorruptCheckpointError
+    from ravex_convert.storage import resolve
+    from ravex_runtime.loading import load_checkpoint
+
+    g = torch.Generator().manual_seed(3)
+    src = tmp_path / "src.safetensors"
+    save_file({f"t{i}": torch.randn(1 << 20, generator=g) for i in range(6)} | {"small": torch.arange(5)}, src)
+    _ok(run_ravex("convert", src, s3 / "store", "--to", "native"))
+    size = src.stat().st_size
+    host, port = s3.server.endpoint.removeprefix("http://").rsplit(":", 1)
+    with Shaper(host, int(port), rtt_s=0.002, rate=1e9) as sh:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", sh.endpoint)
+        _, tensors = load_checkpoint(resolve(s3 / "store").path)
+        assert sh.bytes["down"] < 1.2 * size, (sh.bytes["down"], size)
+    want = load_file(src)
+    assert sorted(tensors) == sorted(f"model/{k}" for k in want)
+    assert all(torch.equal(tensors[f"model/{k}"], v) for k, v in want.items())
+    # one byte of a data object flipped: the load refuses it
+    c = _s3server.client(s3.server.endpoint)
+    bucket, prefix = (s3 / "store").removeprefix("s3://").split("/", 1)
+    data = max((o for o in c.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]), key=lambda o: o["Size"])
+    body = bytearray(c.get_object(Bucket=bucket, Key=data["Key"])["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    c.put_object(Bucket=bucket, Key=data["Key"], Body=bytes(body))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.server.endpoint)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        load_checkpoint(resolve(s3 / "store").path)
