@@ -4,8 +4,8 @@
 //! parts after a sequential read (one that goes on where a read stopped, or
 //! where the executor said a piece starts) fetched ahead, at most
 //! `2 x read_ahead` parts held per bucket. A run of small tensors is served
-//! from the parts it falls in (one GET, not one each); a small read that is
-//! not sequential (a header) is one GET of its own bytes.
+//! from the parts it falls in (one GET, not one each); an object's first read,
+//! where small (a header), is one GET of its own bytes.
 
 use std::collections::VecDeque;
 use std::io;
@@ -20,9 +20,12 @@ use crate::files::ReadAt;
 /// sequential.
 const STREAMS: usize = 16;
 
-/// A read that is not sequential, of at most this many bytes, whose bytes no
-/// part held has, is one GET of those bytes: a part (8 MiB) would cost a
-/// header reader a quarter of a second on a link of 32 MB/s per connection.
+/// An object's first read, of at most this many bytes, where no part held has
+/// them, is one GET of those bytes: a part (8 MiB) would cost a header reader
+/// a quarter of a second on a link of 32 MB/s per connection. Later reads that
+/// are not sequential go through parts, which stay, so that a scan that skips
+/// forward (a zip's local headers, one per storage) costs a GET per part, not
+/// one per read.
 const EXACT: u64 = 1 << 20;
 
 /// An object the executor reads by range.
@@ -59,11 +62,13 @@ impl RemoteObject {
 
     /// Whether a read of `len` bytes at `offset` goes on where a read
     /// stopped (or where [`ReadAt::reads_from`] said reads would start), and
-    /// notes where it ends. The first read of an object is not sequential by
-    /// itself: a reader of a header (8 bytes, then a megabyte at most) would
-    /// have the whole read-ahead fetched for nothing.
-    fn sequential(&self, offset: u64, len: u64) -> bool {
+    /// whether it is the object's first; notes where it ends. The first read
+    /// of an object is not sequential by itself: a reader of a header (8
+    /// bytes, then a megabyte at most) would have the whole read-ahead fetched
+    /// for nothing.
+    fn sequential(&self, offset: u64, len: u64) -> (bool, bool) {
         let mut ends = self.ends();
+        let first = ends.is_empty();
         let found = ends.iter().position(|&e| e == offset);
         if let Some(i) = found {
             ends.remove(i);
@@ -72,7 +77,7 @@ impl RemoteObject {
         while ends.len() > STREAMS {
             ends.pop_front();
         }
-        found.is_some()
+        (found.is_some(), first)
     }
 }
 
@@ -135,8 +140,8 @@ impl ReadAt for RemoteObject {
             ));
         }
         let len = buf.len() as u64;
-        let sequential = self.sequential(offset, len);
-        if !sequential && len <= EXACT && !self.bucket.cache.holds(self.id, offset, len) {
+        let (sequential, first) = self.sequential(offset, len);
+        if first && !sequential && len <= EXACT && !self.bucket.cache.holds(self.id, offset, len) {
             // a header, a zip's directory: one GET of what is asked, kept nowhere
             let got = self.bucket.get_range(&self.key, offset, len)?;
             buf.copy_from_slice(&got);
