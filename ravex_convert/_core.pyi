@@ -269,6 +269,7 @@ class S3Bucket:
         virtual_hosted: bool = False,
         part_size: int = 8388608,
         max_in_flight: int = 8,
+        read_ahead: int = 16,
         max_retries: int = 10,
         retry_timeout_s: float = 180.0,
         connect_timeout_s: float = 5.0,

@@ -23,7 +23,8 @@ took() { echo "== took $((SECONDS - t)) s"; t=$SECONDS; }
 echo "== cargo test"
 cargo_log=$(mktemp)
 trap 'rm -f "$cargo_log"' EXIT
-cargo test --locked 2>&1 | tee "$cargo_log"
+# with the S3 client (no pyo3), so that its unit tests (the read-ahead's) run too
+cargo test --locked --features remote 2>&1 | tee "$cargo_log"
 grep -qE '^test result: ok\. [1-9][0-9]* passed' "$cargo_log" \
   || { echo "test.sh: cargo test ran no test" >&2; exit 1; }
 
@@ -39,6 +40,7 @@ if [ "$fast" -eq 0 ]; then
   # from outside the tree, so the installed module (with its .so) is what is checked
   (cd "$(mktemp -d)" && "$venv/bin/python" -m mypy.stubtest ravex_convert._core)
   cargo clippy --locked --all-targets --quiet -- -D warnings
+  cargo clippy --locked --all-targets --features remote --quiet -- -D warnings
   took
 fi
 

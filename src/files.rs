@@ -31,6 +31,9 @@ pub trait ReadAt: Send + Sync + fmt::Debug {
     fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
     /// How the source is named in messages (an `s3://` URL).
     fn name(&self) -> String;
+    /// Says that reads will go on from `offset`, in order (a copy piece's
+    /// bytes, a step at a time), so a reader that fetches ahead may start.
+    fn reads_from(&self, _offset: u64) {}
 }
 
 /// A target written by range elsewhere (a multipart upload): copy threads
@@ -196,6 +199,14 @@ impl SourceData<'_> {
             SourceData::Map(m, _) => m,
             SourceData::Bytes(b) => b,
             SourceData::Empty | SourceData::Remote(_) => &[],
+        }
+    }
+
+    /// The object behind a remote source.
+    pub(crate) fn remote(&self) -> Option<&Arc<dyn ReadAt>> {
+        match self {
+            SourceData::Remote(r) => Some(r),
+            _ => None,
         }
     }
 

@@ -31,6 +31,8 @@ pub mod s3text;
 #[cfg(test)]
 mod exec_crc_tests;
 #[cfg(test)]
+mod exec_remote_tests;
+#[cfg(test)]
 mod exec_tests;
 #[cfg(test)]
 mod exec_validation_tests;

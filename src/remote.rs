@@ -31,6 +31,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub use crate::s3text::Kind;
 
 mod client;
+mod readahead;
 mod reader;
 mod upload;
 
@@ -121,3 +122,6 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     }
     text
 }
+
+#[cfg(test)]
+mod readahead_tests;

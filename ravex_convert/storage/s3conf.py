@@ -18,7 +18,7 @@ __all__ = ["ENV", "SCHEME", "client_settings", "configure", "error", "split", "u
 
 SCHEME = "s3://"
 # the S3 client's own environment variables (docs/storage.md), besides the standard AWS_* ones
-ENV = ("RAVEX_S3_ACCESS_KEY", "RAVEX_S3_SECRET_KEY", "RAVEX_S3_ENDPOINT", "RAVEX_S3_PART_MB", "RAVEX_S3_IN_FLIGHT", "RAVEX_S3_RETRIES",
+ENV = ("RAVEX_S3_ACCESS_KEY", "RAVEX_S3_SECRET_KEY", "RAVEX_S3_ENDPOINT", "RAVEX_S3_PART_MB", "RAVEX_S3_IN_FLIGHT", "RAVEX_S3_READ_AHEAD", "RAVEX_S3_RETRIES",
        "RAVEX_S3_RETRY_TIMEOUT_S", "RAVEX_S3_CONNECT_TIMEOUT_S", "RAVEX_S3_TIMEOUT_S", "RAVEX_S3_LEASE_TTL")
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
@@ -102,6 +102,7 @@ def client_settings(name: str) -> dict[str, Any]:
     return {"endpoint": endpoint, "region": region, "access_key": access, "secret_key": secret,
             "session_token": env("AWS_SESSION_TOKEN") if access is None else None,
             "part_size": int(number("RAVEX_S3_PART_MB", 8) * (1 << 20)), "max_in_flight": int(number("RAVEX_S3_IN_FLIGHT", 8)),
+            "read_ahead": int(number("RAVEX_S3_READ_AHEAD", 16)),
             "max_retries": int(number("RAVEX_S3_RETRIES", 10)), "retry_timeout_s": number("RAVEX_S3_RETRY_TIMEOUT_S", 180),
             "connect_timeout_s": number("RAVEX_S3_CONNECT_TIMEOUT_S", 5), "request_timeout_s": number("RAVEX_S3_TIMEOUT_S", 60)}
 

@@ -26,7 +26,7 @@ pub struct S3Bucket {
 impl S3Bucket {
     #[new]
     #[pyo3(signature = (bucket, *, endpoint=None, region=None, access_key=None, secret_key=None, session_token=None,
-        virtual_hosted=false, part_size=8388608, max_in_flight=8, max_retries=10, retry_timeout_s=180.0,
+        virtual_hosted=false, part_size=8388608, max_in_flight=8, read_ahead=16, max_retries=10, retry_timeout_s=180.0,
         connect_timeout_s=5.0, request_timeout_s=30.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -40,6 +40,7 @@ impl S3Bucket {
         virtual_hosted: bool,
         part_size: u64,
         max_in_flight: usize,
+        read_ahead: usize,
         max_retries: usize,
         retry_timeout_s: f64,
         connect_timeout_s: f64,
@@ -60,6 +61,7 @@ impl S3Bucket {
             virtual_hosted,
             part_size,
             max_in_flight,
+            read_ahead,
             max_retries,
             retry_timeout: secs(retry_timeout_s, "retry_timeout_s")?,
             connect_timeout: secs(connect_timeout_s, "connect_timeout_s")?,

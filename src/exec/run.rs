@@ -344,12 +344,23 @@ fn run_piece(
             e,
         )
     };
-    // Validated against the sizes before the first piece ran.
-    let src = sources[p.src].range(p.src_off, p.src_bytes(), || {
-        source_name(&job.sources, p.src)
-    })?;
-    let src = &src[..];
     let file = sources[p.src].file();
+    // A remote source of the target's dtype is read a step at a time, as a
+    // file is: its bytes come from the parts its reader holds, and no buffer
+    // of the piece's size is filled first (two 32 MiB pieces in flight cost
+    // 64 MiB on top of the parts).
+    let remote = sources[p.src].remote().filter(|_| p.from == p.to);
+    if let Some(r) = remote {
+        r.reads_from(p.src_off);
+    }
+    // Validated against the sizes before the first piece ran.
+    let src = match remote {
+        Some(_) => std::borrow::Cow::Borrowed(&[][..]),
+        None => sources[p.src].range(p.src_off, p.src_bytes(), || {
+            source_name(&job.sources, p.src)
+        })?,
+    };
+    let src = &src[..];
     let (from, to) = (p.from.size(), p.to.size());
     let (step, align) = (sink.step(), sink.align());
     let total = p.dst_bytes() as usize;
@@ -367,15 +378,20 @@ fn run_piece(
             if p.from != p.to {
                 len = (len - len % to).max(to);
             }
-            let bytes: &[u8] = match (p.from == p.to, file, sink) {
-                (true, None, Sink::Cached { .. }) => &src[done..done + len],
+            let bytes: &[u8] = match (p.from == p.to, file.is_some() || remote.is_some(), sink) {
+                (true, false, Sink::Cached { .. }) => &src[done..done + len],
                 _ => {
                     let pad = (at % align as u64) as usize;
                     let region = &mut buf[base + pad..base + pad + len];
-                    match (p.from == p.to, file) {
-                        (true, Some(f)) => read_source(f, region, p, p.src_off + done as u64, job)?,
-                        (true, None) => region.copy_from_slice(&src[done..done + len]),
-                        (false, _) => {
+                    let from_at = p.src_off + done as u64;
+                    match (p.from == p.to, file, remote) {
+                        (true, Some(f), _) => read_source(f, region, p, from_at, job)?,
+                        (true, None, Some(r)) => r.read_exact_at(region, from_at).map_err(|e| {
+                            let name = source_name(&job.sources, p.src);
+                            Error::io("cannot read source object", Path::new(&name), e)
+                        })?,
+                        (true, None, None) => region.copy_from_slice(&src[done..done + len]),
+                        (false, _, _) => {
                             let first = done / to;
                             let elems = &src[first * from..(first + len / to) * from];
                             cast_into(p.from, p.to, elems, region);

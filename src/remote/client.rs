@@ -15,11 +15,11 @@ use object_store::multipart::MultipartStore;
 use object_store::path::Path as Key;
 use object_store::signer::{SignedUrlOptions, Signer};
 use object_store::{
-    ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
-    UpdateVersion,
+    ClientOptions, GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    RetryConfig, UpdateVersion,
 };
 
-use super::reader::BlockCache;
+use super::readahead::ReadAhead;
 use super::{block_on, error_chain, install_crypto, runtime, Kind, RemoteError, Result};
 use crate::s3text::{answer, classify, element, elements, last_reason, scrub, short, xml_text};
 /// How to reach a bucket. Unset fields come from the `AWS_*` environment, as
@@ -36,6 +36,8 @@ pub struct Config {
     pub virtual_hosted: bool,
     pub part_size: u64,
     pub max_in_flight: usize,
+    /// Ranged GETs in flight ahead of the bucket's readers (`readahead.rs`).
+    pub read_ahead: usize,
     pub max_retries: usize,
     pub retry_timeout: Duration,
     pub connect_timeout: Duration,
@@ -53,8 +55,8 @@ impl fmt::Debug for Config {
     }
 }
 
-/// A bucket: one client, one connection pool, one block cache and one limit
-/// on parts in flight, shared by every object of it.
+/// A bucket: one client, one connection pool, one read-ahead store and one
+/// limit on parts in flight, shared by every object of it.
 pub struct Bucket {
     config: Config,
     client: Mutex<Option<(u32, Arc<AmazonS3>)>>,
@@ -63,8 +65,8 @@ pub struct Bucket {
     secrets: Vec<String>,
     slots: Mutex<usize>,
     slot_free: Condvar,
-    /// The blocks its objects read last (`reader.rs`).
-    pub(super) cache: BlockCache,
+    /// The parts its readers hold (`readahead.rs`).
+    pub(super) cache: ReadAhead,
 }
 
 impl fmt::Debug for Bucket {
@@ -119,13 +121,13 @@ impl Bucket {
         }
         secrets.retain(|s| s.len() >= 4);
         let bucket = Arc::new(Bucket {
+            cache: ReadAhead::new(config.read_ahead, config.part_size),
             config,
             client: Mutex::new(None),
             http: Mutex::new(None),
             secrets,
             slots: Mutex::new(0),
             slot_free: Condvar::new(),
-            cache: BlockCache::default(),
         });
         bucket.store()?; // refuse a bad configuration now, not at the first byte
         Ok(bucket)
@@ -318,6 +320,59 @@ impl Bucket {
             });
         }
         Ok(got)
+    }
+
+    /// [`Bucket::get_range`] on the async runtime (the read-ahead's GETs).
+    /// The body goes straight into an anonymous map of its own, which goes
+    /// back to the system when the last reader of the part lets it go. (In
+    /// a `Vec` filled on a network thread and freed on a copy thread, parts
+    /// stayed in the allocator's arenas, as upload parts did: peak RssAnon
+    /// 234-278 MiB at 16 parts of 8 MiB held, against 128 MiB of parts.)
+    pub(super) async fn get_range_async(&self, key: &str, offset: u64, len: u64) -> Result<Bytes> {
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let store = self.store()?;
+        let k = self.key(key)?;
+        let url = self.url(key);
+        let short = |got: u64| {
+            RemoteError {
+            kind: Kind::Other,
+            url: url.clone(),
+            detail: format!(
+                "asked for bytes {offset}..{}, got {got} bytes (the object changed or was truncated)",
+                offset + len
+            ),
+        }
+        };
+        let mut map = memmap2::MmapMut::map_anon(len as usize).map_err(|e| RemoteError {
+            kind: Kind::Other,
+            url: url.clone(),
+            detail: format!("cannot map {len} bytes of memory for a part: {e}"),
+        })?;
+        let options = GetOptions::new().with_range(Some(offset..offset + len));
+        let mut body = store
+            .get_opts(&k, options)
+            .await
+            .map_err(|e| self.error(&url, e))?
+            .into_stream();
+        let mut at = 0usize;
+        while let Some(chunk) = body.try_next().await.map_err(|e| self.error(&url, e))? {
+            if at + chunk.len() > map.len() {
+                return Err(short((at + chunk.len()) as u64));
+            }
+            map[at..at + chunk.len()].copy_from_slice(&chunk);
+            at += chunk.len();
+        }
+        if at as u64 != len {
+            return Err(short(at as u64));
+        }
+        let map = map.make_read_only().map_err(|e| RemoteError {
+            kind: Kind::Other,
+            url: url.clone(),
+            detail: format!("cannot seal a part's memory: {e}"),
+        })?;
+        Ok(Bytes::from_owner(map))
     }
 
     /// Objects under `prefix` ("" for the whole bucket), every level.

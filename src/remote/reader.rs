@@ -1,60 +1,32 @@
-//! The ranged reader: an object the executor reads by range ([`RemoteObject`]).
-//! A piece's bytes come in one ranged GET; reads smaller than a block go
-//! through a small bucket-wide cache of 8 MiB blocks, so that a run of small
-//! tensors costs one GET, not one each.
+//! The ranged reader: an object the executor (and `S3Path.open`) reads by
+//! range ([`RemoteObject`]). Its bytes come through the bucket's read-ahead
+//! store (`readahead.rs`): part-sized ranged GETs on the async runtime, the
+//! parts after a sequential read (one that goes on where a read stopped, or
+//! where the executor said a piece starts) fetched ahead, at most
+//! `2 x read_ahead` parts held per bucket. A run of small tensors is served
+//! from the parts it falls in (one GET, not one each); an object's first read,
+//! where small (a header), is one GET of its own bytes.
 
 use std::collections::VecDeque;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use bytes::Bytes;
-
-use super::{Bucket, Kind, RemoteError, Result};
+use super::readahead::Parts;
+use super::Bucket;
 use crate::files::ReadAt;
 
-/// Reads smaller than this go through the block cache.
-const BLOCK: u64 = 8 << 20;
-/// Blocks the cache of one bucket holds.
-const CACHED_BLOCKS: usize = 8;
+/// Readers of one object whose next byte is remembered (a copy thread each,
+/// or a Python reader): a read that starts where one of them stopped is
+/// sequential.
+const STREAMS: usize = 16;
 
-/// The blocks a bucket's objects read last, `(object id, block index, bytes)`
-/// oldest first, and the next object's id.
-#[derive(Default)]
-pub(super) struct BlockCache {
-    blocks: Mutex<VecDeque<(u64, u64, Bytes)>>,
-    next_id: AtomicU64,
-}
-
-impl BlockCache {
-    fn new_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<(u64, u64, Bytes)>> {
-        self.blocks.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn get(&self, id: u64, block: u64) -> Option<Bytes> {
-        self.lock()
-            .iter()
-            .find(|(i, k, _)| *i == id && *k == block)
-            .map(|(_, _, b)| b.clone())
-    }
-
-    fn put(&self, id: u64, block: u64, data: Bytes) {
-        let mut cache = self.lock();
-        cache.push_back((id, block, data));
-        while cache.len() > CACHED_BLOCKS {
-            cache.pop_front();
-        }
-    }
-
-    /// Drops the cached blocks of an object.
-    fn forget(&self, id: u64) {
-        self.lock().retain(|(i, _, _)| *i != id);
-    }
-}
+/// An object's first read, of at most this many bytes, where no part held has
+/// them, is one GET of those bytes: a part (8 MiB) would cost a header reader
+/// a quarter of a second on a link of 32 MB/s per connection. Later reads that
+/// are not sequential go through parts, which stay, so that a scan that skips
+/// forward (a zip's local headers, one per storage) costs a GET per part, not
+/// one per read.
+const EXACT: u64 = 1 << 20;
 
 /// An object the executor reads by range.
 #[derive(Debug)]
@@ -63,6 +35,11 @@ pub struct RemoteObject {
     key: String,
     size: u64,
     id: u64,
+    /// Where recent reads ended, oldest first.
+    ends: Mutex<VecDeque<u64>>,
+    /// Its GETs that may still be in flight: a closed object's are
+    /// stopped, so parts fetched ahead for it take no more of the link.
+    gets: Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl RemoteObject {
@@ -74,13 +51,72 @@ impl RemoteObject {
             key,
             size,
             id,
+            ends: Mutex::new(VecDeque::new()),
+            gets: Mutex::new(Vec::new()),
         }
+    }
+
+    fn ends(&self) -> std::sync::MutexGuard<'_, VecDeque<u64>> {
+        self.ends.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a read of `len` bytes at `offset` goes on where a read
+    /// stopped (or where [`ReadAt::reads_from`] said reads would start), and
+    /// whether it is the object's first; notes where it ends. The first read
+    /// of an object is not sequential by itself: a reader of a header (8
+    /// bytes, then a megabyte at most) would have the whole read-ahead fetched
+    /// for nothing.
+    fn sequential(&self, offset: u64, len: u64) -> (bool, bool) {
+        let mut ends = self.ends();
+        let first = ends.is_empty();
+        let found = ends.iter().position(|&e| e == offset);
+        if let Some(i) = found {
+            ends.remove(i);
+        }
+        ends.push_back(offset + len);
+        while ends.len() > STREAMS {
+            ends.pop_front();
+        }
+        (found.is_some(), first)
     }
 }
 
 impl Drop for RemoteObject {
     fn drop(&mut self) {
+        for get in self
+            .gets
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            get.abort();
+        }
         self.bucket.cache.forget(self.id);
+    }
+}
+
+impl Parts for RemoteObject {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn url(&self) -> String {
+        self.bucket.url(&self.key)
+    }
+
+    fn fetch(&self, index: u64, start: u64, len: u64) {
+        let (bucket, key, id) = (self.bucket.clone(), self.key.clone(), self.id);
+        let get = super::runtime().spawn(async move {
+            let got = bucket.get_range_async(&key, start, len).await;
+            bucket.cache.done(id, index, got);
+        });
+        let mut gets = self.gets.lock().unwrap_or_else(|e| e.into_inner());
+        gets.retain(|g| !g.is_finished());
+        gets.push(get.abort_handle());
     }
 }
 
@@ -98,59 +134,36 @@ impl ReadAt for RemoteObject {
                 io::ErrorKind::UnexpectedEof,
                 format!(
                     "{}: a read past the object's {} bytes",
-                    self.name(),
+                    ReadAt::name(self),
                     self.size
                 ),
             ));
         }
-        self.read_cached(buf, offset).map_err(io::Error::from)
+        let len = buf.len() as u64;
+        let (sequential, first) = self.sequential(offset, len);
+        if first && !sequential && len <= EXACT && !self.bucket.cache.holds(self.id, offset, len) {
+            // a header, a zip's directory: one GET of what is asked, kept nowhere
+            let got = self.bucket.get_range(&self.key, offset, len)?;
+            buf.copy_from_slice(&got);
+            return Ok(());
+        }
+        self.bucket
+            .cache
+            .read(self, buf, offset, sequential)
+            .map_err(io::Error::from)
     }
 
     fn name(&self) -> String {
         self.bucket.url(&self.key)
     }
-}
 
-impl RemoteObject {
-    /// Bytes `offset..offset + buf.len()`, through the block cache where the
-    /// read is small.
-    fn read_cached(&self, buf: &mut [u8], offset: u64) -> Result<()> {
-        let len = buf.len() as u64;
-        if len >= BLOCK {
-            let got = self.bucket.get_range(&self.key, offset, len)?;
-            buf.copy_from_slice(&got);
-            return Ok(());
-        }
-        let mut done = 0u64;
-        while done < len {
-            let at = offset + done;
-            let block = at / BLOCK;
-            let start = block * BLOCK;
-            let data = self.block(block, start)?;
-            let from = (at - start) as usize;
-            let n = ((data.len() - from) as u64).min(len - done) as usize;
-            if n == 0 {
-                return Err(RemoteError {
-                    kind: Kind::Other,
-                    url: self.bucket.url(&self.key),
-                    detail: format!("bytes from {at} are past the object's end"),
-                });
+    fn reads_from(&self, offset: u64) {
+        let mut ends = self.ends();
+        if !ends.contains(&offset) {
+            ends.push_back(offset);
+            while ends.len() > STREAMS {
+                ends.pop_front();
             }
-            buf[done as usize..done as usize + n].copy_from_slice(&data[from..from + n]);
-            done += n as u64;
         }
-        Ok(())
-    }
-
-    fn block(&self, block: u64, start: u64) -> Result<Bytes> {
-        let cache = &self.bucket.cache;
-        if let Some(b) = cache.get(self.id, block) {
-            return Ok(b);
-        }
-        let data =
-            self.bucket
-                .get_range(&self.key, start, BLOCK.min(self.size.saturating_sub(start)))?;
-        cache.put(self.id, block, data.clone());
-        Ok(data)
     }
 }

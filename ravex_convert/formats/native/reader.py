@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -27,7 +27,8 @@ from ...recipes import KEY as RECIPES
 from ...storage import core_source
 from .check import FORMAT_VERSION, Checked, check_checkpoint, check_manifest, load_json, metadata_checksum
 
-__all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "Opened", "describe", "open_entry", "read", "read_manifest", "resolve", "sniff", "verify_chunks"]
+__all__ = ["CHECKPOINT", "FORMAT_VERSION", "MANIFEST", "STORE_MARKER", "Opened", "check_chunks", "describe", "open_entry", "read", "read_manifest", "resolve", "sniff",
+           "verify_chunks", "verify_read"]
 
 STORE_MARKER = "ravex-store.json"
 MANIFEST = "manifest.json"
@@ -339,6 +340,61 @@ def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
     mismatch, truncation or undecodable frame, and
     :class:`IncompleteCheckpointError` for a missing file. Returns the number
     of chunks verified."""
+    return _verify(ckpt, names, True, [])
+
+
+def check_chunks(ckpt: Checkpoint) -> list[tuple[str, int, Chunk]]:
+    """:func:`verify_chunks` of every tensor but for the checksums of its uncompressed chunks, which
+    are returned (``(tensor, position, chunk)``) for :func:`verify_read` to check on the bytes the
+    caller reads anyway: a store in a bucket is then downloaded once, not twice (once to hash, once
+    to read). Every other check (files present, chunks inside them, compressed frames) is done."""
+    deferred: list[tuple[str, int, Chunk]] = []
+    _verify(ckpt, None, False, deferred)
+    return deferred
+
+
+def verify_read(ckpt: Checkpoint, deferred: list[tuple[str, int, Chunk]], read: Callable[[str, Chunk], Any]) -> None:
+    """The checksums :func:`check_chunks` left, checked on what the caller read: ``read(tensor,
+    chunk)`` gives the chunk's bytes as read (a C-contiguous buffer), or None where it has none
+    (a chunk read cast to another dtype): those are hashed from their files."""
+    from ... import _core
+
+    from_file: dict[Path, list[tuple[str, int, Chunk]]] = {}
+    for name, k, c in deferred:
+        data = read(name, c)
+        if data is None:
+            from_file.setdefault(cast(Path, c.file), []).append((name, k, c))
+            continue
+        h = _core.xxh3_64(data)
+        if f"xxh3-64:{h:016x}" != c.checksum:
+            raise _bad(ckpt, name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{h:016x})")
+    for file, chunks in from_file.items():
+        _hash_file(ckpt, file, chunks)
+
+
+def _bad(ckpt: Checkpoint, name: str, k: int, c: Chunk, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{ckpt.path}: checkpoint {ckpt.source.get('index')}: chunk {k} of tensor '{name}' in {c.file}: {why}",
+        hint="the data file is damaged; restore the store from a copy, or load another checkpoint (--index)",
+        path=c.file,
+    )
+
+
+def _hash_file(ckpt: Checkpoint, file: Path, plain: list[tuple[str, int, Chunk]]) -> int:
+    """Checks the checksums of uncompressed chunks of ``file`` against its bytes; the number checked."""
+    from ... import _core
+
+    try:
+        sums = _core.checksum_ranges(core_source(file), [(c.offset, c.nbytes) for _, _, c in plain], "xxh3-64") if plain else []
+    except OSError as exc:
+        raise from_os_error(exc, path=file) from None
+    for (name, k, c), h in zip(plain, sums, strict=True):
+        if f"xxh3-64:{h:016x}" != c.checksum:
+            raise _bad(ckpt, name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{h:016x})")
+    return len(plain)
+
+
+def _verify(ckpt: Checkpoint, names: Iterable[str] | None, hash_plain: bool, deferred: list[tuple[str, int, Chunk]]) -> int:
     from ... import _core
 
     store, index = ckpt.path, ckpt.source.get("index")
@@ -347,11 +403,7 @@ def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
     count = 0
 
     def bad(name: str, k: int, c: Chunk, why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{store}: checkpoint {index}: chunk {k} of tensor '{name}' in {c.file}: {why}",
-            hint="the data file is damaged; restore the store from a copy, or load another checkpoint (--index)",
-            path=c.file,
-        )
+        return _bad(ckpt, name, k, c, why)
 
     for name in dict.fromkeys(wanted):
         t = ckpt.tensors[name]
@@ -395,12 +447,8 @@ def verify_chunks(ckpt: Checkpoint, names: Iterable[str] | None = None) -> int:
             if f"xxh3-64:{h:016x}" != c.checksum:
                 raise bad(name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{h:016x})")
             count += 1
-        try:
-            sums = _core.checksum_ranges(core_source(file), [(c.offset, c.nbytes) for _, _, c in plain], "xxh3-64") if plain else []
-        except OSError as exc:
-            raise from_os_error(exc, path=file) from None
-        for (name, k, c), h in zip(plain, sums):
-            if f"xxh3-64:{h:016x}" != c.checksum:
-                raise bad(name, k, c, f"checksum mismatch (recorded {c.checksum}, computed xxh3-64:{h:016x})")
-            count += 1
+        if hash_plain:
+            count += _hash_file(ckpt, file, plain)
+        else:
+            deferred += plain
     return count
