@@ -35,18 +35,29 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import RavexError
-from .base import ABSENT, PreconditionFailed, holder_text, lease_note, machine
+from .base import ABSENT, PreconditionFailed, Stat, holder_text, lease_note, machine
 from .s3conf import MAX_LEASE_TTL_S
-
-if TYPE_CHECKING:
-    from .objstore import ObjectStore
 
 __all__ = ["TAKEN_HINT", "Lease", "StoreTakenOverError", "hold"]
 
 log = logging.getLogger("ravex")
+
+
+class LeaseStore(Protocol):
+    """What a lease needs of the object-store layer (``objstore.ObjectStore``, which holds its leases)."""
+
+    client: Any  # objstore.Client: url, clock, lease_ttl, delete_if, watch, unwatch
+
+    def stat(self, key: str) -> Stat | None: ...
+
+    def get(self, key: str) -> tuple[bytes, Any]: ...
+
+    def put(self, key: str, data: bytes, *, if_generation: Any = None, staging: str | None = None) -> Any: ...
+
+    def delete(self, key: str) -> None: ...
 
 # Last-Modified has a resolution of one second (HTTP dates), and a request takes a moment: a
 # renewal is expected within TTL/4 + this, and a lease lapses at TTL + this.
@@ -114,7 +125,7 @@ class Holder:
 class Lease:
     """A lease held by this process: its fencing ``generation``, and whether it was lost."""
 
-    def __init__(self, store: ObjectStore, key: str, holder: str, etag: Any, generation: int, ttl: float | None, taken_over: bool,
+    def __init__(self, store: LeaseStore, key: str, holder: str, etag: Any, generation: int, ttl: float | None, taken_over: bool,
                  since: float, *, holder_may_run: bool = False):
         self.store, self.key, self.holder = store, key, holder
         self.url = store.client.url(key)
@@ -213,7 +224,7 @@ def _note(holder: str, generation: int, ttl: float | None, since: float) -> byte
 
 
 @contextlib.contextmanager
-def hold(store: ObjectStore, key: str, holder: str) -> Iterator[Lease]:
+def hold(store: LeaseStore, key: str, holder: str) -> Iterator[Lease]:
     """Hold the lease at ``key`` for the block (see the module's rules). Refused (a live holder,
     or one with no TTL that is not certainly gone): :class:`PreconditionFailed` naming it."""
     client = store.client
@@ -270,7 +281,7 @@ def _renew(lease: Lease, stop: threading.Event) -> None:
         failing, ok = None, time.monotonic()
 
 
-def _take(store: ObjectStore, key: str, holder: str, ttl: float | None) -> Lease:
+def _take(store: LeaseStore, key: str, holder: str, ttl: float | None) -> Lease:
     """Take the lease: create it, or take over a holder that is gone (waiting for its TTL to lapse
     by the server's clock where it is not seen renewed). Refused: :class:`PreconditionFailed`."""
     client = store.client
@@ -313,7 +324,7 @@ def _take(store: ObjectStore, key: str, holder: str, ttl: float | None) -> Lease
         return Lease(store, key, holder, new, generation, ttl, True, since, holder_may_run=not dead)
 
 
-def _wait_out(store: ObjectStore, key: str, held: Holder, etag: Any, modified: float, own_ttl: float, said: list[bool]) -> bool:
+def _wait_out(store: LeaseStore, key: str, held: Holder, etag: Any, modified: float, own_ttl: float, said: list[bool]) -> bool:
     """Wait until the lease at ``key`` (at ``etag``, last written at ``modified`` by the server's
     clock) lapses by its holder's TTL; True then. A lease seen renewed raises
     :class:`PreconditionFailed` (a live holder). False: it changed otherwise (released): look again."""
@@ -323,7 +334,7 @@ def _wait_out(store: ObjectStore, key: str, held: Holder, etag: Any, modified: f
         raise PreconditionFailed(holder_text(held.raw) + f" (its note gives a TTL of {ttl:.0f} s, over the {MAX_LEASE_TTL_S:.0f} s "
                                  "Ravex waits out: delete the lease object if that run is gone)")
     every = ttl / 4
-    start, server = time.monotonic(), client.clock(key)
+    start, server = time.monotonic(), float(client.clock(key))
 
     def age() -> float:
         return server - modified + (time.monotonic() - start)
@@ -362,7 +373,7 @@ def _wait_out(store: ObjectStore, key: str, held: Holder, etag: Any, modified: f
     return True
 
 
-def probe_clock(store: ObjectStore, key: str) -> float:
+def probe_clock(store: LeaseStore, key: str) -> float:
     """The server's time now: the Last-Modified of a small object put beside ``key`` and deleted."""
     probe = f"{key}.tmp-clock-{uuid.uuid4().hex[:12]}"
     store.put(probe, b"")
