@@ -36,6 +36,7 @@ from test_dist_runtime import (
     assert_checkpoints_hold_their_steps,
     assert_epoch_covered_once,
     assert_like_reference,
+    assert_written_by,
     by_step,
     checkpoints,
     finish,
@@ -65,7 +66,7 @@ def machines(tmp: Path, n: int) -> list[Path]:
 
 
 def launch_machines(tmp: Path, dirs: list[Path], mode: str, opts: dict[str, Any], env: dict[str, Any], *,
-                    rendezvous: int | None = None) -> list[Job]:
+                    rendezvous: int | None = None, store: str = STORE) -> list[Job]:
     """One torchrun agent per machine, one rank each: machine i holds rank i. ``rendezvous``: an
     elastic job (``--nnodes 1:M``, up to 3 restarts) whose agents meet at the c10d store listening
     on that port, which no machine hosts (a machine lost must not take the rendezvous with it)."""
@@ -75,7 +76,7 @@ def launch_machines(tmp: Path, dirs: list[Path], mode: str, opts: dict[str, Any]
     jobs = []
     for i, d in enumerate(dirs):
         o, full, what = _job_env(d, "run", 1, {**MODES[mode], **opts, "outdir": str(logs)}, env, d / STORE)
-        full["RAVEX_STORAGE_PATH"] = STORE  # relative: each machine's own directory
+        full["RAVEX_STORAGE_PATH"] = store  # STORE, relative: each machine's own directory; absolute: one every machine sees
         if rendezvous is None:
             where = ["--nnodes", str(len(dirs)), "--node_rank", str(i), "--master_addr", "127.0.0.1", "--master_port", str(port)]
         else:
@@ -247,3 +248,45 @@ def test_an_elastic_job_that_loses_a_machine_goes_on_alone_from_the_replica(tmp_
     # machine b's store holds the copy's checkpoint, and what the run went on to write
     own = complete(dirs[1] / STORE)
     assert own[0]["index"] >= copied["index"] and int(own[-1]["step"]) == MAX_STEPS, own
+
+
+def test_an_elastic_per_rank_job_on_a_shared_store_reshards_at_the_restart(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """FSDP2 with ``per_rank`` on a store both machines see (a shared filesystem), elastic: machine a
+    is lost after a checkpoint both ranks wrote their shards of; b's agent restarts its worker alone,
+    and the checkpoint of two ranks' shards is read at world size 1 (resharded by the copy engine),
+    not started over."""
+    import torch.distributed as dist
+
+    mode = "fsdp2-per_rank"
+    ref = request.getfixturevalue("reference")(2, mode)
+    dirs = machines(tmp_path, 2)
+    store = tmp_path / "shared-store"
+    logs = tmp_path / "logs"
+    port = free_port()
+    rdzv = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    try:
+        jobs = launch_machines(tmp_path, dirs, mode, {"sleep": 0.15}, {}, rendezvous=port, store=str(store))
+        wait_until(jobs, "a checkpoint at step 6 or later", lambda: any(int(c["step"]) >= 6 for c in complete(store)))
+        assert_written_by(store, mode, 2)  # each rank's shards, per_rank, by the job of two
+        kill_all(jobs[0])
+        lost = finish(jobs[0])
+        assert lost.rc != 0, lost.report()
+        before = seen(logs, "run", 2)
+        reached = max(ln.step for ln in read_log(logs, "run", 1))
+        assert 0 < before[1] and reached < MAX_STEPS, f"the job was not interrupted (rank 1 reached step {reached})\n{lost.report()}"
+        b = ok(finish(jobs[1], timeout=TIMEOUT + 60))
+    finally:
+        del rdzv
+    text = "\n".join(b.ranks.values())
+    assert "resuming from checkpoint" in text, b.report()
+    after = by_step(read_log(logs, "run", 0)[before[0]:], "machine b, restarted as rank 0")
+    step = min(after) - 1
+    assert step >= 6 and step % 3 == 0, sorted(after)
+    assert sorted(after) == list(range(step + 1, MAX_STEPS + 1)), sorted(after)
+    assert after[step + 1].before == ref.logs[0][step + 1].before, "the restart did not start from the checkpoint's weights"
+    out = json.loads((logs / "out-run.json").read_text())
+    assert out["world_size"] == 1 and out["step"] == MAX_STEPS, out
+    epoch = after[step + 1].epoch
+    parts = [ln for r in range(2) for s, ln in ref.logs[r].items() if s <= step] + list(after.values())
+    if epoch + 1 in {ln.epoch for ln in parts}:
+        assert_epoch_covered_once(epoch, parts, 1)
