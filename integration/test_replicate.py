@@ -200,6 +200,49 @@ def kill_all_jobs(jobs: list[Job]) -> None:
         kill_all(j)
 
 
+def lose_machine_a(tmp: Path, dirs: list[Path], mode: str, env: dict[str, Any], store: str, what: str, ready: Any) -> tuple[Done, dict[int, int]]:
+    """An elastic job on two machines (rendezvous on neither) until ``ready()``; then machine a is
+    lost (its agent and every process it started), the kill is checked to have landed before the
+    end, and machine b's agent, restarting its worker alone, runs to the end. Machine b's result,
+    and how many lines each rank had logged at the kill."""
+    import torch.distributed as dist
+
+    logs = tmp / "logs"
+    port = free_port()
+    rdzv = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the rendezvous, on neither machine
+    try:
+        jobs = launch_machines(tmp, dirs, mode, {"sleep": 0.15}, env, rendezvous=port, store=store)
+        wait_until(jobs, what, ready)
+        kill_all(jobs[0])  # machine a is lost; machine b's agent lives on
+        lost = finish(jobs[0])
+        assert lost.rc != 0, lost.report()
+        before = seen(logs, "run", 2)
+        reached = max(ln.step for ln in read_log(logs, "run", 1))
+        assert 0 < before[1] and reached < MAX_STEPS, f"the job was not interrupted (rank 1 reached step {reached})\n{lost.report()}"
+        return ok(finish(jobs[1], timeout=TIMEOUT + 60)), before
+    finally:
+        del rdzv
+
+
+def went_on_alone(logs: Path, ref: Any, before: dict[int, int], b: Done) -> tuple[dict[int, Any], int]:
+    """Machine b's restarted worker: rank 0 of a job of one, resumed (said), from a checkpoint's
+    weights to the end; its lines after the restart and the step it resumed after."""
+    assert "resuming from checkpoint" in "\n".join(b.ranks.values()), b.report()
+    after = by_step(read_log(logs, "run", 0)[before[0]:], "machine b, restarted as rank 0")
+    step = min(after) - 1
+    assert sorted(after) == list(range(step + 1, MAX_STEPS + 1)), sorted(after)
+    assert after[step + 1].before == ref.logs[0][step + 1].before, "the restart did not start from the checkpoint's weights"
+    out = json.loads((logs / "out-run.json").read_text())
+    assert out["world_size"] == 1 and out["step"] == MAX_STEPS, out
+    return after, step
+
+
+def epoch_parts(ref: Any, after: dict[int, Any], step: int) -> tuple[int, list[Any]]:
+    """The epoch in progress at the restart, and its lines: two ranks' before the checkpoint, one's after."""
+    epoch = after[step + 1].epoch
+    return epoch, [ln for r in range(2) for s, ln in ref.logs[r].items() if s <= step] + list(after.values())
+
+
 def test_an_elastic_job_that_loses_a_machine_goes_on_alone_from_the_replica(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """``torchrun --nnodes 1:2 --max-restarts 3`` on two machines, DDP, gather, ``replicate_every: 2``.
     Machine a (rank 0, the store's writer) is lost after the copy of step 6 committed on machine b.
@@ -207,42 +250,23 @@ def test_an_elastic_job_that_loses_a_machine_goes_on_alone_from_the_replica(tmp_
     reach is the replica on its own disk, which goes into its store, and the run goes on from it to
     the end. Exact after the change (docs/runtime.md): the weights, optimizer and step the checkpoint
     holds, and the epoch in progress trained on once; the batches, and so the losses, differ."""
-    import torch.distributed as dist
-
-    mode, every = "ddp", 2
+    mode = "ddp"
     ref = request.getfixturevalue("reference")(2, mode)
     dirs = machines(tmp_path, 2)
-    logs = tmp_path / "logs"
-    port = free_port()
-    rdzv = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the rendezvous, on neither machine
-    try:
-        jobs = launch_machines(tmp_path, dirs, mode, {"sleep": 0.15}, {"RAVEX_REPLICATE_EVERY": every}, rendezvous=port)
-        replica = dirs[1] / f"{STORE}.replicas" / "rank00000"
-        wait_until(jobs, "a replica committed on machine b", lambda: bool(complete(replica)))
-        copied = complete(replica)[-1]
-        kill_all(jobs[0])  # machine a is lost; machine b's agent lives on
-        lost = finish(jobs[0])
-        assert lost.rc != 0, lost.report()
-        before = seen(logs, "run", 2)
-        reached = max(ln.step for ln in read_log(logs, "run", 1))
-        assert 0 < before[1] and reached < MAX_STEPS, f"the job was not interrupted (rank 1 reached step {reached})\n{lost.report()}"
-        b = ok(finish(jobs[1], timeout=TIMEOUT + 60))
-    finally:
-        del rdzv
-    text = "\n".join(b.ranks.values())
-    step = int(copied["step"])
-    assert f"checkpoint {copied['index']} (step {step}) taken from the replica on this machine" in text, b.report()
-    assert "resuming from checkpoint" in text, b.report()
+    replica = dirs[1] / f"{STORE}.replicas" / "rank00000"
+    held: list[dict[str, Any]] = []  # the replica's checkpoints when machine a is lost
 
-    # the restarted worker is rank 0 of a job of one, from the replica's step to the end
-    after = by_step(read_log(logs, "run", 0)[before[0]:], "machine b, restarted as rank 0")
-    assert sorted(after) == list(range(step + 1, MAX_STEPS + 1)), sorted(after)
-    assert after[step + 1].before == ref.logs[0][step + 1].before, "the restart did not start from the checkpoint's weights"
-    out = json.loads((logs / "out-run.json").read_text())
-    assert out["world_size"] == 1 and out["step"] == MAX_STEPS, out
-    # the epoch in progress: trained on once, by two ranks before the checkpoint and one after it
-    epoch = after[step + 1].epoch
-    parts = [ln for r in range(2) for s, ln in ref.logs[r].items() if s <= step] + list(after.values())
+    def ready() -> bool:
+        held[:] = complete(replica)
+        return bool(held)
+
+    b, before = lose_machine_a(tmp_path, dirs, mode, {"RAVEX_REPLICATE_EVERY": 2}, STORE, "a replica committed on machine b", ready)
+    copied = held[-1]
+    after, step = went_on_alone(tmp_path / "logs", ref, before, b)
+    assert step == int(copied["step"]), (step, copied)
+    text = "\n".join(b.ranks.values())
+    assert f"checkpoint {copied['index']} (step {step}) taken from the replica on this machine" in text, b.report()
+    epoch, parts = epoch_parts(ref, after, step)
     assert epoch + 1 in {ln.epoch for ln in parts}, "the epoch did not end within the run"
     assert_epoch_covered_once(epoch, parts, 1)
     # machine b's store holds the copy's checkpoint, and what the run went on to write
@@ -255,38 +279,19 @@ def test_an_elastic_per_rank_job_on_a_shared_store_reshards_at_the_restart(tmp_p
     is lost after a checkpoint both ranks wrote their shards of; b's agent restarts its worker alone,
     and the checkpoint of two ranks' shards is read at world size 1 (resharded by the copy engine),
     not started over."""
-    import torch.distributed as dist
-
     mode = "fsdp2-per_rank"
     ref = request.getfixturevalue("reference")(2, mode)
-    dirs = machines(tmp_path, 2)
     store = tmp_path / "shared-store"
-    logs = tmp_path / "logs"
-    port = free_port()
-    rdzv = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    try:
-        jobs = launch_machines(tmp_path, dirs, mode, {"sleep": 0.15}, {}, rendezvous=port, store=str(store))
-        wait_until(jobs, "a checkpoint at step 6 or later", lambda: any(int(c["step"]) >= 6 for c in complete(store)))
+
+    def ready() -> bool:
+        if not any(int(c["step"]) >= 6 for c in complete(store)):
+            return False
         assert_written_by(store, mode, 2)  # each rank's shards, per_rank, by the job of two
-        kill_all(jobs[0])
-        lost = finish(jobs[0])
-        assert lost.rc != 0, lost.report()
-        before = seen(logs, "run", 2)
-        reached = max(ln.step for ln in read_log(logs, "run", 1))
-        assert 0 < before[1] and reached < MAX_STEPS, f"the job was not interrupted (rank 1 reached step {reached})\n{lost.report()}"
-        b = ok(finish(jobs[1], timeout=TIMEOUT + 60))
-    finally:
-        del rdzv
-    text = "\n".join(b.ranks.values())
-    assert "resuming from checkpoint" in text, b.report()
-    after = by_step(read_log(logs, "run", 0)[before[0]:], "machine b, restarted as rank 0")
-    step = min(after) - 1
+        return True
+
+    b, before = lose_machine_a(tmp_path, machines(tmp_path, 2), mode, {}, str(store), "a checkpoint at step 6 or later", ready)
+    after, step = went_on_alone(tmp_path / "logs", ref, before, b)
     assert step >= 6 and step % 3 == 0, sorted(after)
-    assert sorted(after) == list(range(step + 1, MAX_STEPS + 1)), sorted(after)
-    assert after[step + 1].before == ref.logs[0][step + 1].before, "the restart did not start from the checkpoint's weights"
-    out = json.loads((logs / "out-run.json").read_text())
-    assert out["world_size"] == 1 and out["step"] == MAX_STEPS, out
-    epoch = after[step + 1].epoch
-    parts = [ln for r in range(2) for s, ln in ref.logs[r].items() if s <= step] + list(after.values())
-    if epoch + 1 in {ln.epoch for ln in parts}:
+    epoch, parts = epoch_parts(ref, after, step)
+    if epoch + 1 in {ln.epoch for ln in parts}:  # a restart after step 9 ends within the epoch it began
         assert_epoch_covered_once(epoch, parts, 1)
